@@ -1,0 +1,89 @@
+"""The private PyTorch APIs that ``vescale.dtensor`` relies on, confined to this module.
+
+PyTorch offers no public way to drop every global module hook or to forget DTensor's
+random-number tracker, both of which the test harness must do between tests. Each access
+below names the private attribute it reads, and ``tests/test_dtensor_compat.py`` fails
+loudly when a PyTorch release renames or removes one.
+
+Example::
+
+    from vescale.dtensor import _compat
+    _compat.clear_global_module_hooks()
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+__all__ = [
+    "GLOBAL_MODULE_HOOK_DICTS",
+    "MIN_TORCH",
+    "TESTED_TORCH",
+    "PrivateTorchAPIError",
+    "clear_global_module_hooks",
+    "reset_dtensor_rng_tracker",
+    "torch_version",
+]
+
+MIN_TORCH = (2, 11)
+# The newest release these private attributes were checked against.
+TESTED_TORCH = (2, 13)
+
+# torch.nn.modules.module keeps every hook registered by register_module_forward_hook & co.
+# in these module-level ordered dicts.
+GLOBAL_MODULE_HOOK_DICTS = (
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_forward_hooks_with_kwargs",
+    "_global_forward_hooks_always_called",
+    "_global_module_registration_hooks",
+    "_global_parameter_registration_hooks",
+    "_global_buffer_registration_hooks",
+)
+
+
+class PrivateTorchAPIError(RuntimeError):
+    """A private PyTorch attribute that veScale relies on is missing or changed its type."""
+
+
+def torch_version() -> tuple[int, int]:
+    """The installed torch's (major, minor), e.g. ``(2, 13)``."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _private_attribute(module_name: str, attribute: str, expected_type: type | None) -> Any:
+    module = importlib.import_module(module_name)
+    if not hasattr(module, attribute):
+        raise PrivateTorchAPIError(
+            f"{module_name}.{attribute} does not exist in torch {torch.__version__}; "
+            f"vescale.dtensor was checked against torch {MIN_TORCH[0]}.{MIN_TORCH[1]} to "
+            f"{TESTED_TORCH[0]}.{TESTED_TORCH[1]}. Install a torch in that range, or update "
+            "vescale/dtensor/_compat.py for this release."
+        )
+    value = getattr(module, attribute)
+    if expected_type is not None and not isinstance(value, expected_type):
+        raise PrivateTorchAPIError(
+            f"{module_name}.{attribute} is a {type(value).__name__} in torch {torch.__version__}, "
+            f"expected {expected_type.__name__}; update vescale/dtensor/_compat.py for this release."
+        )
+    return value
+
+
+def clear_global_module_hooks() -> None:
+    """Remove every hook registered with ``torch.nn.modules.module.register_module_*_hook``."""
+    for attribute in GLOBAL_MODULE_HOOK_DICTS:
+        _private_attribute("torch.nn.modules.module", attribute, OrderedDict).clear()
+
+
+def reset_dtensor_rng_tracker() -> None:
+    """Forget DTensor's random-number tracker so that the next random DTensor op makes a new one."""
+    _private_attribute("torch.distributed.tensor._random", "_rng_tracker", None)
+    random_module = importlib.import_module("torch.distributed.tensor._random")
+    random_module._rng_tracker = None

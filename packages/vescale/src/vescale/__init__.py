@@ -1,0 +1,54 @@
+"""veScale: train a single-device PyTorch model on many devices as if on one.
+
+The component packages (``vescale.dtensor``, ``vescale.dmodule``, ``vescale.doptim``,
+``vescale.dcheckpoint``, ``vescale.dpipe``, ``vescale.planner``) are separate
+distributions sharing the ``vescale`` namespace. This meta-package alone owns this file:
+it extends ``__path__`` so that components installed in other locations stay importable,
+and loads them lazily, on first attribute access, so ``import vescale`` stays cheap.
+
+Example::
+
+    import vescale
+    mesh_api = vescale.dtensor          # imported on first use
+    print(vescale.__version__)
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from importlib.metadata import version as _distribution_version
+from typing import TYPE_CHECKING, Any
+
+# Components live in other sys.path entries (one per distribution, or one per editable
+# install); extend_path makes each of them a part of this package.
+__path__ = pkgutil.extend_path(__path__, __name__)
+
+__version__ = _distribution_version("vescale")
+
+COMPONENTS = ("dtensor", "dmodule", "doptim", "dcheckpoint", "dpipe", "planner")
+
+# Public name -> module that defines it. The unified API (deferred_init, generate_plan,
+# parallelize, save, load) joins this table as its components land (issue #8).
+_LAZY_ATTRIBUTES: dict[str, str] = {}
+
+__all__ = ["COMPONENTS", "__version__", *COMPONENTS, *_LAZY_ATTRIBUTES]
+
+if TYPE_CHECKING:
+    from vescale import dcheckpoint, dmodule, doptim, dpipe, dtensor, planner  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    if name in COMPONENTS:
+        module = importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    if name in _LAZY_ATTRIBUTES:
+        value = getattr(importlib.import_module(_LAZY_ATTRIBUTES[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'vescale' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Each component, installed alone, imports and passes its own tests.
+#
+#   bash tools/check_components.sh               # all six components
+#   bash tools/check_components.sh dcheckpoint   # the ones you name
+#
+# "Alone" means: its wheel (not an editable install) in a fresh virtual environment that sees
+# torch and the test tools, plus the sibling wheels it declares, and nothing else of veScale:
+# no meta-package and no undeclared sibling. Needs .venv (bash tools/setup.sh) for hatchling.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+work="$root/.ci-work"
+python_bin="${VESCALE_PYTHON:-python3}"
+components=("$@")
+[[ ${#components[@]} -gt 0 ]] || components=(dtensor dmodule doptim dcheckpoint dpipe planner)
+say() { printf '[check_components] %s\n' "$*"; }
+site_packages() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+
+mkdir -p "$work"
+rm -rf "$work/wheels"
+say "building the wheels of every package"
+.venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w "$work/wheels" packages/*/
+
+# One environment with torch and the test tools only, shared (through a .pth line) by the
+# per-component environments so that torch is installed once.
+if [[ ! -x "$work/base/bin/python" ]]; then
+    say "creating the base environment (torch and the test tools, no veScale package)"
+    "$python_bin" -m venv "$work/base"
+    "$work/base/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0 \
+        pytest==9.2.0 pytest-xdist==3.8.0 pytest-timeout==2.4.0 transformers==5.23.0
+fi
+base_site="$(site_packages "$work/base")"
+
+for component in "${components[@]}"; do
+    env="$work/env-$component"
+    rm -rf "$env"
+    # No pip or setuptools of its own (they would shadow the base's): the base's pip installs into it.
+    "$python_bin" -m venv --without-pip "$env"
+    echo "$base_site" > "$(site_packages "$env")/_vescale_base_environment.pth"
+    "$work/base/bin/python" -m pip --python "$env/bin/python" install -q --disable-pip-version-check \
+        --no-index --find-links "$work/wheels" "vescale-$component"
+    "$env/bin/python" tools/check_alone.py "$component"
+    say "vescale-$component alone: running packages/$component/tests"
+    "$env/bin/python" -m pytest -n "${VESCALE_TEST_WORKERS:-2}" --dist loadfile "packages/$component/tests"
+done
+say "every component installs alone and passes its tests: ${components[*]}"

@@ -42,3 +42,12 @@ def test_dtensor_rng_tracker_attribute_exists_and_resets():
         assert dtensor_random._rng_tracker is None
     finally:
         dtensor_random._rng_tracker = saved
+
+
+def test_dtensor_op_dispatcher_extension_points_exist_with_their_types():
+    assert isinstance(_compat.dtensor_custom_op_handlers(), dict)
+    assert torch.ops.aten.argmax.default in _compat.dtensor_custom_op_handlers()
+    assert isinstance(_compat.dtensor_random_ops(), set)
+    assert torch.ops.aten.native_dropout.default in _compat.dtensor_random_ops()
+    propagator = _compat.dtensor_sharding_propagator()
+    assert torch.ops.aten.mm.default in propagator.op_strategy_funcs

@@ -25,6 +25,9 @@ __all__ = [
     "TESTED_TORCH",
     "PrivateTorchAPIError",
     "clear_global_module_hooks",
+    "dtensor_custom_op_handlers",
+    "dtensor_random_ops",
+    "dtensor_sharding_propagator",
     "reset_dtensor_rng_tracker",
     "torch_version",
 ]
@@ -87,3 +90,56 @@ def reset_dtensor_rng_tracker() -> None:
     _private_attribute("torch.distributed.tensor._random", "_rng_tracker", None)
     random_module = importlib.import_module("torch.distributed.tensor._random")
     random_module._rng_tracker = None
+
+
+# --- DTensor's op dispatcher -------------------------------------------------------------
+# DTensor routes every aten op through one OpDispatcher. Three of its attributes are the
+# only way to extend it beyond ``register_sharding``: per-op handlers that replace the
+# sharding-propagation path, the set of ops treated as random, and the propagator that
+# holds the registered strategies.
+
+
+def _op_dispatcher() -> Any:
+    dtensor_class = _private_attribute("torch.distributed.tensor", "DTensor", type)
+    if not hasattr(dtensor_class, "_op_dispatcher"):
+        raise PrivateTorchAPIError(
+            f"torch.distributed.tensor.DTensor._op_dispatcher does not exist in torch {torch.__version__}; "
+            "update vescale/dtensor/_compat.py for this release."
+        )
+    return dtensor_class._op_dispatcher
+
+
+def dtensor_custom_op_handlers() -> dict:
+    """``{OpOverload: handler(op_call, args, kwargs)}`` that DTensor calls instead of propagating."""
+    handlers = getattr(_op_dispatcher(), "_custom_op_handlers", None)
+    if not isinstance(handlers, dict):
+        raise PrivateTorchAPIError("DTensor._op_dispatcher._custom_op_handlers is missing or not a dict")
+    return handlers
+
+
+def dtensor_random_ops() -> set:
+    """The set of ``OpOverload``s DTensor treats as random (drawn through its RNG tracker)."""
+    random_ops = getattr(_op_dispatcher(), "_random_ops", None)
+    if not isinstance(random_ops, set):
+        raise PrivateTorchAPIError("DTensor._op_dispatcher._random_ops is missing or not a set")
+    return random_ops
+
+
+def dtensor_sharding_propagator() -> Any:
+    """DTensor's ``ShardingPropagator`` (``op_strategy_funcs``, ``op_to_rules``, ``propagate``)."""
+    propagator = getattr(_op_dispatcher(), "sharding_propagator", None)
+    if propagator is None or not hasattr(propagator, "op_strategy_funcs"):
+        raise PrivateTorchAPIError("DTensor._op_dispatcher.sharding_propagator is missing or changed")
+    return propagator
+
+
+# --- random numbers (vescale.dtensor.random) ----------------------------------------------
+
+
+# --- communication accounting (vescale.dtensor.comm) --------------------------------------
+
+
+# --- placements and redistribution (vescale.dtensor.placements, .redistribute) ------------
+
+
+# --- operator coverage and implicit replication (vescale.dtensor.ops) ---------------------

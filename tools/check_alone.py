@@ -1,7 +1,8 @@
-"""Run inside a component's stand-alone environment: fail if more of veScale is installed
-than the component declares (directly or through its siblings).
+"""Run inside a package's stand-alone environment: fail if more of veScale is installed
+than the package declares (directly or through its siblings).
 
     python tools/check_alone.py dmodule
+    python tools/check_alone.py vescale     # the meta-package: every component, its own __init__
 """
 
 from __future__ import annotations
@@ -14,38 +15,48 @@ from importlib.metadata import PackageNotFoundError, distribution
 COMPONENTS = ("dtensor", "dmodule", "doptim", "dcheckpoint", "dpipe", "planner")
 
 
-def declared_closure(component: str) -> set[str]:
-    """The component and every sibling it requires, transitively."""
-    closure, pending = set(), [component]
+def distribution_name(package: str) -> str:
+    return "vescale" if package == "vescale" else f"vescale-{package}"
+
+
+def declared_closure(package: str) -> set[str]:
+    """The package and every sibling it requires, transitively."""
+    closure, pending = set(), [package]
     while pending:
         name = pending.pop()
         if name in closure:
             continue
         closure.add(name)
-        for requirement in distribution(f"vescale-{name}").requires or []:
+        for requirement in distribution(distribution_name(name)).requires or []:
             match = re.match(r"vescale-([a-z]+)", requirement)
             if match and "extra ==" not in requirement:
                 pending.append(match[1])
     return closure
 
 
-def main(component: str) -> int:
-    allowed = declared_closure(component)
+def main(package: str) -> int:
+    allowed = declared_closure(package)
     problems = [
-        f"vescale.{other} is importable but vescale-{component} does not declare it"
+        f"vescale.{other} is importable but {distribution_name(package)} does not declare it"
         for other in COMPONENTS
         if other not in allowed and importlib.util.find_spec(f"vescale.{other}") is not None
     ]
-    try:
-        distribution("vescale")
-        problems.append("the meta-package vescale is installed")
-    except PackageNotFoundError:
-        pass
-    if importlib.util.find_spec("vescale").origin not in (None, "namespace"):
-        problems.append("vescale/__init__.py exists: a component must not ship it (PEP 420 namespace)")
+    namespace_origin = importlib.util.find_spec("vescale").origin
+    if package == "vescale":
+        if namespace_origin in (None, "namespace"):
+            problems.append("the meta-package's vescale/__init__.py is not what `import vescale` finds")
+    else:
+        try:
+            distribution("vescale")
+            problems.append("the meta-package vescale is installed")
+        except PackageNotFoundError:
+            pass
+        if namespace_origin not in (None, "namespace"):
+            problems.append("vescale/__init__.py exists: a component must not ship it (PEP 420 namespace)")
     for problem in problems:
         print(f"check_alone: {problem}", file=sys.stderr)
-    print(f"check_alone: vescale-{component} with {sorted(allowed - {component})}; nothing else of veScale")
+    siblings = sorted(allowed - {package})
+    print(f"check_alone: {distribution_name(package)} with {siblings}; nothing else of veScale")
     return 1 if problems else 0
 
 

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# Each component, installed alone, imports and passes its own tests.
+# Each package, installed alone, imports and passes its own tests.
 #
-#   bash tools/check_components.sh               # all six components
+#   bash tools/check_components.sh               # the six components, then the meta-package
 #   bash tools/check_components.sh dcheckpoint   # the ones you name
 #
 # "Alone" means: its wheel (not an editable install) in a fresh virtual environment that sees
 # torch and the test tools, plus the sibling wheels it declares, and nothing else of veScale:
-# no meta-package and no undeclared sibling. Needs .venv (bash tools/setup.sh) for hatchling.
+# for a component, no meta-package and no undeclared sibling. Needs .venv (bash tools/setup.sh)
+# for hatchling.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 work="$root/.ci-work"
 python_bin="${VESCALE_PYTHON:-python3}"
 components=("$@")
-[[ ${#components[@]} -gt 0 ]] || components=(dtensor dmodule doptim dcheckpoint dpipe planner)
+[[ ${#components[@]} -gt 0 ]] || components=(dtensor dmodule doptim dcheckpoint dpipe planner vescale)
 say() { printf '[check_components] %s\n' "$*"; }
 site_packages() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 
@@ -38,10 +39,12 @@ for component in "${components[@]}"; do
     # No pip or setuptools of its own (they would shadow the base's): the base's pip installs into it.
     "$python_bin" -m venv --without-pip "$env"
     echo "$base_site" > "$(site_packages "$env")/_vescale_base_environment.pth"
+    distribution="vescale-$component"
+    [[ "$component" != vescale ]] || distribution=vescale
     "$work/base/bin/python" -m pip --python "$env/bin/python" install -q --disable-pip-version-check \
-        --no-index --find-links "$work/wheels" "vescale-$component"
+        --no-index --find-links "$work/wheels" "$distribution"
     "$env/bin/python" tools/check_alone.py "$component"
-    say "vescale-$component alone: running packages/$component/tests"
+    say "$distribution alone: running packages/$component/tests"
     "$env/bin/python" -m pytest -n "${VESCALE_TEST_WORKERS:-2}" --dist loadfile "packages/$component/tests"
 done
-say "every component installs alone and passes its tests: ${components[*]}"
+say "each package installs alone and passes its tests: ${components[*]}"

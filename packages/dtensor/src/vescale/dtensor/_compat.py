@@ -137,9 +137,108 @@ def dtensor_sharding_propagator() -> Any:
 
 
 # --- communication accounting (vescale.dtensor.comm) --------------------------------------
+# Collectives run below autograd, where only a TorchDispatchMode sees them; torch keeps that
+# class in a private module. Functional collectives name their process group by a string,
+# and only a private resolver turns a name that belongs to no known mesh into its group.
+# During backward, only a private query tells which autograd node is running.
+
+FUNCTIONAL_COLLECTIVE_NAMESPACE = "_c10d_functional"
+C10D_COLLECTIVE_NAMESPACE = "c10d"
+
+
+def torch_dispatch_mode_class() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode``, the base of vescale's dispatch modes."""
+    return _private_attribute("torch.utils._python_dispatch", "TorchDispatchMode", type)
+
+
+def resolve_process_group(group_name: str) -> Any:
+    """The ``ProcessGroup`` registered under ``group_name`` (as functional collectives name it)."""
+    resolve = _private_attribute("torch.distributed.distributed_c10d", "_resolve_process_group", None)
+    return resolve(group_name)
+
+
+def current_autograd_node() -> Any:
+    """The autograd ``Node`` whose backward is running on this thread, or ``None`` outside backward."""
+    return _private_attribute("torch._C", "_current_autograd_node", None)()
 
 
 # --- placements and redistribution (vescale.dtensor.placements, .redistribute) ------------
+# InterleavedShard: a DTensor stores veScale's InterleavedShard(dim, k) as PyTorch's private
+# _StridedShard(dim, split_factor=k), whose layout on one mesh dim (cut the dim into k parts,
+# then torch.chunk each part over the mesh dim) is the same; DTensor accepts no other type.
+
+
+def strided_shard_type() -> type:
+    """PyTorch's ``_StridedShard`` placement class, the form a DTensor stores an InterleavedShard in."""
+    strided_shard = _private_attribute("torch.distributed.tensor.placement_types", "_StridedShard", type)
+    if not isinstance(getattr(strided_shard, "split_factor", None), property):
+        raise PrivateTorchAPIError(
+            "torch.distributed.tensor.placement_types._StridedShard has no split_factor property in torch "
+            f"{torch.__version__}; update vescale/dtensor/_compat.py for this release."
+        )
+    return strided_shard
 
 
 # --- operator coverage and implicit replication (vescale.dtensor.ops) ---------------------
+# Coverage asks DTensor which ops it can shard: the propagator's three registries (strategy
+# functions, single-mesh-dim strategies, legacy rules) plus the per-op custom handlers.
+# Implicit replication is one flag behind a private property; torch's public context
+# manager sets it to False on exit instead of restoring it, so scoped use cannot nest.
+# The autograd engine's callback queue is the only way to act once a backward pass ends.
+
+
+def dtensor_strategy_registries() -> dict[str, dict]:
+    """DTensor's per-op sharding registries by name; an op in any of them can be sharded."""
+    propagator = dtensor_sharding_propagator()
+    registries = {"custom_op_handlers": dtensor_custom_op_handlers()}
+    for attribute in ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules"):
+        registry = getattr(propagator, attribute, None)
+        if not isinstance(registry, dict):
+            raise PrivateTorchAPIError(
+                f"DTensor's ShardingPropagator.{attribute} is missing or not a dict in torch "
+                f"{torch.__version__}; update vescale/dtensor/_compat.py for this release."
+            )
+        registries[attribute] = registry
+    return registries
+
+
+def dtensor_implicit_replication_enabled() -> bool:
+    """Whether DTensor currently treats plain tensors mixed with DTensors as Replicate."""
+    dispatcher = _op_dispatcher()
+    if not hasattr(type(dispatcher), "_allow_implicit_replication"):
+        raise PrivateTorchAPIError(
+            "DTensor._op_dispatcher._allow_implicit_replication is missing in torch "
+            f"{torch.__version__}; update vescale/dtensor/_compat.py for this release."
+        )
+    return bool(dispatcher._allow_implicit_replication)
+
+
+def set_dtensor_implicit_replication(enabled: bool) -> None:
+    """Turn DTensor's implicit replication of plain tensors on or off (see the getter)."""
+    dtensor_implicit_replication_enabled()
+    _op_dispatcher()._allow_implicit_replication = enabled
+
+
+def queue_autograd_engine_callback(callback: Any) -> None:
+    """Run ``callback()`` when the backward pass now executing finishes (call during backward)."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if engine is None or not hasattr(engine, "queue_callback"):
+        raise PrivateTorchAPIError(
+            "torch.autograd.Variable._execution_engine.queue_callback is missing in torch "
+            f"{torch.__version__}; update vescale/dtensor/_compat.py for this release."
+        )
+    engine.queue_callback(callback)
+
+
+__all__ += [
+    "C10D_COLLECTIVE_NAMESPACE",
+    "FUNCTIONAL_COLLECTIVE_NAMESPACE",
+    "current_autograd_node",
+    "dtensor_implicit_replication_enabled",
+    "dtensor_strategy_registries",
+    "queue_autograd_engine_callback",
+    "resolve_process_group",
+    "set_dtensor_implicit_replication",
+    "strided_shard_type",
+    "torch_dispatch_mode_class",
+]

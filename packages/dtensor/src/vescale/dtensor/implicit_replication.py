@@ -1,0 +1,145 @@
+"""Treat plain tensors made inside a parallelized module as Replicate, and only there.
+
+A single-device model creates plain tensors in its forward: rotary tables, masks,
+position ids, ``torch.arange``/``torch.zeros`` results, buffers. Once the parameters are
+DTensors, every op mixing such a tensor with a DTensor fails ("got mixed torch.Tensor and
+DTensor"). Inside a parallelized module those tensors hold the same values on every rank,
+so treating them as Replicate is correct; outside it (the user's own code) a plain tensor
+may be a per-rank shard, so the error stays.
+
+:func:`implicit_replication_scope` does two things during the module's forward, and
+undoes them afterwards, also when the forward raises:
+
+* a ``TorchFunctionMode`` wraps each plain tensor that meets a DTensor in a Python-level
+  torch call as a Replicate DTensor *before autograd records the op*, so the backward
+  pass, which replays those ops' gradient formulas outside any forward scope, only ever
+  sees DTensors (DTensor's own implicit-replication flag cannot reach the backward: the
+  autograd engine restores the thread-local state captured when ``backward()`` starts);
+* DTensor's implicit-replication flag, for plain tensors that C++ composite ops create
+  below the Python level.
+
+Example::
+
+    handle = implicit_replication_scope(model)
+    loss = model(input_ids, labels=labels).loss   # rotary tables become Replicate DTensors
+    loss.backward()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.overrides import TorchFunctionMode
+
+from vescale.dtensor import _compat
+
+__all__ = ["ImplicitReplicationHandle", "ReplicatePlainTensorsMode", "implicit_replication_scope"]
+
+
+def _first_dtensor(value: Any) -> DTensor | None:
+    if isinstance(value, DTensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            found = _first_dtensor(item)
+            if found is not None:
+                return found
+    elif isinstance(value, dict):
+        return _first_dtensor(list(value.values()))
+    return None
+
+
+def _replicate_plain(value: Any, exemplar: DTensor) -> Any:
+    if isinstance(value, DTensor):
+        return value
+    if isinstance(value, torch.Tensor):
+        # Scalars already count as replicated in DTensor; leave them cheap.
+        if value.ndim == 0:
+            return value
+        mesh = exemplar.device_mesh
+        return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    if isinstance(value, (list, tuple)) and any(isinstance(item, torch.Tensor) for item in value):
+        return type(value)(_replicate_plain(item, exemplar) for item in value)
+    if isinstance(value, dict):
+        return {key: _replicate_plain(item, exemplar) for key, item in value.items()}
+    return value
+
+
+class ReplicatePlainTensorsMode(TorchFunctionMode):
+    """While active, a torch call that mixes plain tensors with DTensors sees the plain ones
+    as Replicate DTensors on the first DTensor's mesh.
+
+    Example::
+
+        with ReplicatePlainTensorsMode():
+            rotated = sharded_query * torch.ones(sharded_query.shape)
+        assert rotated.placements == sharded_query.placements
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        exemplar = _first_dtensor(args)
+        if exemplar is None:
+            exemplar = _first_dtensor(kwargs)
+        if exemplar is not None:
+            args = _replicate_plain(args, exemplar)
+            kwargs = _replicate_plain(kwargs, exemplar)
+        return func(*args, **kwargs)
+
+
+class ImplicitReplicationHandle:
+    """The hooks of one :func:`implicit_replication_scope`; ``remove()`` takes them off.
+
+    Example::
+
+        handle = implicit_replication_scope(model)
+        handle.remove()   # model's forward may mix plain tensors and DTensors no more
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        # One entry per forward still running: a module may be re-entered.
+        self._active: list[tuple[ReplicatePlainTensorsMode, bool]] = []
+        self._hook_handles = [
+            module.register_forward_pre_hook(self._enter_forward),
+            module.register_forward_hook(self._exit_forward, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        """Remove the hooks; later forwards of the module run without the scope."""
+        for hook_handle in self._hook_handles:
+            hook_handle.remove()
+        self._hook_handles = []
+
+    def _enter_forward(self, module: nn.Module, args: Any) -> None:
+        mode = ReplicatePlainTensorsMode()
+        self._active.append((mode, _compat.dtensor_implicit_replication_enabled()))
+        _compat.set_dtensor_implicit_replication(True)
+        mode.__enter__()
+
+    def _exit_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        mode, saved_setting = self._active.pop()
+        mode.__exit__(None, None, None)
+        _compat.set_dtensor_implicit_replication(saved_setting)
+
+
+def implicit_replication_scope(module: nn.Module) -> ImplicitReplicationHandle:
+    """Treat plain tensors as Replicate DTensors inside ``module``'s forward (and so its backward).
+
+    Outside the module, mixing a plain tensor with a DTensor still raises. The dmodule
+    package calls this on every module it parallelizes.
+
+    Example::
+
+        handle = implicit_replication_scope(model)
+        model(input_ids).logits.sum().backward()
+        handle.remove()
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"implicit_replication_scope expects an nn.Module, got {type(module).__name__}; "
+            "pass the parallelized module whose forward creates plain tensors."
+        )
+    return ImplicitReplicationHandle(module)

@@ -1,0 +1,25 @@
+"""veScale's DTensor sharding strategies, one module per op family; importing registers them.
+
+Everything here extends stock PyTorch through ``register_sharding`` (public) or, where a
+strategy needs more, through :mod:`vescale.dtensor._compat`. :mod:`.coverage` reports
+which ops of a run DTensor can shard.
+
+Example::
+
+    import vescale.dtensor.ops
+    from vescale.dtensor.ops import OpCoverageRecorder
+    with OpCoverageRecorder() as recorder:
+        model(input_ids).logits.sum().backward()
+"""
+
+from vescale.dtensor.ops import attention, concat
+from vescale.dtensor.ops.coverage import OpCoverageRecorder, OpCoverageReport, has_sharding_strategy, op_name
+
+__all__ = [
+    "OpCoverageRecorder",
+    "OpCoverageReport",
+    "attention",
+    "concat",
+    "has_sharding_strategy",
+    "op_name",
+]

@@ -1,0 +1,116 @@
+"""Tiny ``transformers`` decoder-only models (built from a config, nothing downloaded).
+
+``transformers`` is a test dependency: this module imports it, ``vescale.dtensor`` never
+does. Every model is float32, eval-free of dropout, and uses PyTorch's
+scaled-dot-product attention, so its aten ops are the ones a real run would send to
+DTensor.
+
+Example::
+
+    model = build_tiny_hf_model("llama")
+    input_ids, labels = tiny_batch(model.config.vocab_size)
+    model(input_ids=input_ids, labels=labels).loss.backward()
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["TINY_HF_MODELS", "build_tiny_hf_model", "tiny_batch", "tiny_hf_config"]
+
+TINY_HF_MODELS = ("llama", "mistral", "gpt2", "mixtral")
+
+# 4 query heads and 4 key/value heads would hide grouped-query attention; 4 and 2 keep it
+# visible while both stay divisible by a tensor-parallel degree of 2 (and 4 for the queries).
+_DECODER_SIZES = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    initializer_range=0.02,
+    attn_implementation="sdpa",
+    tie_word_embeddings=False,
+)
+
+
+def tiny_hf_config(name: str, num_key_value_heads: int = 2):
+    """A tiny ``transformers`` config for ``name`` in :data:`TINY_HF_MODELS`.
+
+    Example::
+
+        config = tiny_hf_config("mistral")
+        assert config.hidden_size == 32
+    """
+    import transformers
+
+    if name == "llama":
+        return transformers.LlamaConfig(num_key_value_heads=num_key_value_heads, **_DECODER_SIZES)
+    if name == "mistral":
+        # A window shorter than the test sequence makes the attention take an explicit mask.
+        return transformers.MistralConfig(
+            num_key_value_heads=num_key_value_heads, sliding_window=4, **_DECODER_SIZES
+        )
+    if name == "mixtral":
+        return transformers.MixtralConfig(
+            num_key_value_heads=num_key_value_heads,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            router_jitter_noise=0.0,
+            **_DECODER_SIZES,
+        )
+    if name == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=64,
+            n_positions=64,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation="sdpa",
+            tie_word_embeddings=False,
+        )
+    raise ValueError(f"unknown tiny model {name!r}; choose one of {TINY_HF_MODELS}")
+
+
+def build_tiny_hf_model(name: str, seed: int = 0, num_key_value_heads: int = 2) -> nn.Module:
+    """Build the tiny ``transformers`` causal-LM ``name`` with weights drawn from ``seed``.
+
+    Example::
+
+        model = build_tiny_hf_model("gpt2")
+        assert model.lm_head.weight.shape == (64, 32)
+    """
+    import transformers
+
+    config = tiny_hf_config(name, num_key_value_heads)
+    model_class = {
+        "llama": transformers.LlamaForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+        "mixtral": transformers.MixtralForCausalLM,
+        "gpt2": transformers.GPT2LMHeadModel,
+    }[name]
+    torch.manual_seed(seed)
+    model = model_class(config)
+    # Drop-out-free by config, but train() keeps the training code paths (no KV cache reuse).
+    model.train()
+    return model
+
+
+def tiny_batch(
+    vocab_size: int, batch_size: int = 2, seq_len: int = 8, seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and labels (the same ids: causal LMs shift them) drawn from ``seed``.
+
+    Example::
+
+        input_ids, labels = tiny_batch(64)
+        assert input_ids.shape == (2, 8)
+    """
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
+    return input_ids, input_ids.clone()

@@ -1,0 +1,261 @@
+"""Hand-written tensor/sequence-parallel plans for the test models, applied with PyTorch's
+own ``parallelize_module`` (veScale's dmodule plans arrive with a later issue).
+
+Every op stays on DTensors (``use_local_output=False``), so tracing a step shows each op
+DTensor must shard. Parameters the plan does not shard become Replicate DTensors, and the
+root module gets :func:`~vescale.dtensor.implicit_replication.implicit_replication_scope`
+for the plain tensors its forward creates. The vocabulary is sharded at both ends: the
+embedding table by rows, the LM head's logits by columns (the loss then sees
+``Shard(-1)`` logits). GPT-2's ``Conv1D`` stores weights as (in, out) and its fused
+``c_attn`` is sharded plainly by output column: the q/k/v split then redistributes.
+
+Example::
+
+    model = build_test_model("llama")
+    mesh = init_device_mesh("cpu", (2,))
+    apply_tensor_parallel(model, "llama", mesh, sequence_parallel=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from vescale.dtensor.implicit_replication import ImplicitReplicationHandle, implicit_replication_scope
+from vescale.dtensor.testing.models.nanogpt import NanoGPT, NanoGPTConfig
+
+__all__ = ["TEST_MODELS", "apply_tensor_parallel", "build_test_model", "model_loss", "tensor_parallel_plan"]
+
+TEST_MODELS = ("llama", "mistral", "nanogpt", "mixtral", "gpt2")
+
+
+def build_test_model(name: str, seed: int = 0) -> nn.Module:
+    """One of :data:`TEST_MODELS`, tiny, float32, weights drawn from ``seed``.
+
+    Example::
+
+        model = build_test_model("nanogpt")
+        assert model.lm_head.weight.shape == (64, 32)
+    """
+    if name == "nanogpt":
+        torch.manual_seed(seed)
+        return NanoGPT(NanoGPTConfig())
+    from vescale.dtensor.testing.models.tiny_hf import build_tiny_hf_model
+
+    return build_tiny_hf_model(name, seed)
+
+
+def model_loss(model: nn.Module, name: str, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The model's own language-modelling loss for one batch.
+
+    Example::
+
+        loss = model_loss(model, "gpt2", input_ids, labels)
+        loss.backward()
+    """
+    if name == "nanogpt":
+        return model(input_ids, labels)[1]
+    return model(input_ids=input_ids, labels=labels).loss
+
+
+def _llama_family_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    # With sequence parallelism activations between blocks are Shard(1) (sequence dim); the
+    # projections gather them and scatter their outputs back.
+    activation = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "model.embed_tokens": VocabParallelEmbedding(activation),
+        "lm_head": ColwiseParallel(input_layouts=activation, use_local_output=False),
+    }
+    for projection in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+    ):
+        plan[f"model.layers.*.{projection}"] = ColwiseParallel(
+            input_layouts=activation, use_local_output=False
+        )
+    for projection in ("self_attn.o_proj", "mlp.down_proj"):
+        plan[f"model.layers.*.{projection}"] = RowwiseParallel(
+            output_layouts=activation, use_local_output=False
+        )
+    if sequence_parallel:
+        for norm in (
+            "model.layers.*.input_layernorm",
+            "model.layers.*.post_attention_layernorm",
+            "model.norm",
+        ):
+            plan[norm] = SequenceParallel(use_local_output=False)
+    return plan
+
+
+def _mixtral_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    plan = {
+        name: style for name, style in _llama_family_plan(sequence_parallel).items() if ".mlp." not in name
+    }
+    if sequence_parallel:
+        # Routing runs on the whole sequence, replicated; the experts' weights are sharded.
+        plan["model.layers.*.mlp"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False
+        )
+    return plan
+
+
+def _nanogpt_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    activation = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "wte": VocabParallelEmbedding(activation),
+        "lm_head": ColwiseParallel(input_layouts=activation, use_local_output=False),
+    }
+    for projection in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.c_fc"):
+        plan[f"h.*.{projection}"] = ColwiseParallel(input_layouts=activation, use_local_output=False)
+    for projection in ("attn.c_proj", "mlp.c_proj"):
+        plan[f"h.*.{projection}"] = RowwiseParallel(output_layouts=activation, use_local_output=False)
+    if sequence_parallel:
+        # The position embedding is added to the sharded token embedding: shard it alike.
+        plan["wpe"] = ParallelOutputAsShard(1)
+        for norm in ("h.*.ln_1", "h.*.ln_2", "ln_f"):
+            plan[norm] = SequenceParallel(use_local_output=False)
+    return plan
+
+
+def _reduce_partial_gradient(grad: DTensor) -> DTensor:
+    if any(placement.is_partial() for placement in grad.placements):
+        return grad.redistribute(grad.device_mesh, [Replicate()] * grad.device_mesh.ndim)
+    return grad
+
+
+class VocabParallelEmbedding(RowwiseParallel):
+    """``RowwiseParallel`` for an embedding, whose output gradient may arrive as Partial.
+
+    With ``use_local_output=False`` downstream, the gradient of a Replicate embedding output
+    can be Partial(sum); PyTorch's backward of the MaskPartial -> Replicate reduction cannot
+    take Partial(sum) to MaskPartial, so the gradient is reduced to Replicate first.
+
+    Example::
+
+        parallelize_module(model, mesh, {"model.embed_tokens": VocabParallelEmbedding()})
+    """
+
+    def __init__(self, output_layout: Placement) -> None:
+        super().__init__(input_layouts=Replicate(), output_layouts=output_layout, use_local_output=False)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        outputs = RowwiseParallel._prepare_output_fn(
+            output_layouts, use_local_output, mod, outputs, device_mesh
+        )
+        if outputs.requires_grad:
+            outputs.register_hook(_reduce_partial_gradient)
+        return outputs
+
+
+class ParallelOutputAsShard(ParallelStyle):
+    """Keep the module's parameters replicated and return its output as ``Shard(dim)``.
+
+    Example::
+
+        parallelize_module(model, mesh, {"wpe": ParallelOutputAsShard(0)})
+    """
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard_output(module: nn.Module, args: tuple, output: torch.Tensor) -> DTensor:
+            replicated = DTensor.from_local(output, device_mesh, [Replicate()], run_check=False)
+            return replicated.redistribute(device_mesh, [Shard(self.dim)])
+
+        module.register_forward_hook(shard_output)
+        return module
+
+
+def _gpt2_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    activation = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "transformer.wte": VocabParallelEmbedding(activation),
+        "lm_head": ColwiseParallel(input_layouts=activation, use_local_output=False),
+    }
+    if sequence_parallel:
+        for norm in ("transformer.h.*.ln_1", "transformer.h.*.ln_2", "transformer.ln_f"):
+            plan[norm] = SequenceParallel(use_local_output=False)
+        for block_input in ("transformer.h.*.attn", "transformer.h.*.mlp"):
+            plan[block_input] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False
+            )
+    return plan
+
+
+_PLANS: dict[str, Callable[[bool], dict[str, ParallelStyle]]] = {
+    "llama": _llama_family_plan,
+    "mistral": _llama_family_plan,
+    "mixtral": _mixtral_plan,
+    "nanogpt": _nanogpt_plan,
+    "gpt2": _gpt2_plan,
+}
+
+# Parameters sharded directly by tensor dim, for layers no ParallelStyle fits:
+# Mixtral's 3-D expert weights (expert, out, in) and GPT-2's Conv1D weights (in, out).
+_PARAMETER_SHARDING: dict[str, dict[str, int]] = {
+    "mixtral": {"mlp.experts.gate_up_proj": 1, "mlp.experts.down_proj": 2},
+    "gpt2": {"attn.c_attn.weight": 1, "attn.c_attn.bias": 0, "mlp.c_fc.weight": 1, "mlp.c_fc.bias": 0},
+    "llama": {},
+    "mistral": {},
+    "nanogpt": {},
+}
+_GPT2_ROW_SHARDED = {"attn.c_proj.weight": 0, "mlp.c_proj.weight": 0}
+
+
+def tensor_parallel_plan(name: str, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The ``parallelize_module`` plan of test model ``name``.
+
+    Example::
+
+        plan = tensor_parallel_plan("llama", sequence_parallel=False)
+        assert "model.layers.*.self_attn.q_proj" in plan
+    """
+    if name not in _PLANS:
+        raise ValueError(f"no tensor-parallel plan for {name!r}; choose one of {TEST_MODELS}")
+    return _PLANS[name](sequence_parallel)
+
+
+def apply_tensor_parallel(
+    model: nn.Module, name: str, mesh: DeviceMesh, sequence_parallel: bool = False
+) -> ImplicitReplicationHandle:
+    """Parallelize ``model`` in place on the 1-D ``mesh``; return its implicit-replication handle.
+
+    Example::
+
+        handle = apply_tensor_parallel(model, "mistral", mesh, sequence_parallel=True)
+        loss = model_loss(model, "mistral", input_ids, labels)
+    """
+    parallelize_module(model, mesh, tensor_parallel_plan(name, sequence_parallel))
+    dim_by_suffix = dict(_PARAMETER_SHARDING[name])
+    if name == "gpt2":
+        dim_by_suffix.update(_GPT2_ROW_SHARDED)
+    for module_name, module in model.named_modules():
+        for parameter_name, parameter in list(module.named_parameters(recurse=False)):
+            if isinstance(parameter, DTensor):
+                continue
+            full_name = f"{module_name}.{parameter_name}"
+            shard_dim = next(
+                (dim for suffix, dim in dim_by_suffix.items() if full_name.endswith(suffix)), None
+            )
+            placement = Replicate() if shard_dim is None else Shard(shard_dim)
+            distributed = distribute_tensor(parameter.detach(), mesh, [placement])
+            module.register_parameter(parameter_name, nn.Parameter(distributed, parameter.requires_grad))
+    return implicit_replication_scope(model)

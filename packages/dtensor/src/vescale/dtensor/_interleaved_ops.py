@@ -10,11 +10,8 @@ slice of the local tensor: one part is an ordinary ``Shard(dim)``, ``g`` parts a
 gradients of a ``split``) is the inverse, again local. ``chunk`` reaches DTensor as
 ``split``; ``view``/``unflatten`` into ``(k, part)`` already give ``Shard`` in PyTorch.
 
-Handlers replace DTensor's whole dispatch of an op, so any other call (no interleaved
-sharding on that dim, sizes not aligned with the parts) goes to the handler that was there
-before, or to DTensor's default dispatch: the handler is taken out of the table for that one
-call. A thread that dispatches the same op at that instant also gets the default dispatch,
-which is slower (it may all-gather) but computes the same values.
+Any other call (no interleaved sharding on that dim, sizes not aligned with the parts)
+goes on to DTensor's own dispatch through :func:`vescale.dtensor._op_handlers.dispatch_previous`.
 
 Example::
 
@@ -24,36 +21,18 @@ Example::
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from vescale.dtensor import _compat
+from vescale.dtensor._op_handlers import OpHandler, dispatch_previous, register_op_handlers
 
 __all__ = ["INTERLEAVED_OPS", "register_interleaved_ops"]
 
 aten = torch.ops.aten
-OpHandler = Callable[[Any, tuple, dict], object]
-
-_default_dispatch_lock = threading.RLock()
-_previous_handlers: dict[Any, OpHandler | None] = {}
-
-
-def _previous_dispatch(op_call: Any, args: tuple, kwargs: dict) -> object:
-    previous = _previous_handlers.get(op_call)
-    if previous is not None:
-        return previous(op_call, args, kwargs)
-    handlers = _compat.dtensor_custom_op_handlers()
-    with _default_dispatch_lock:
-        own_handler = handlers.pop(op_call, None)
-        try:
-            return op_call(*args, **kwargs)
-        finally:
-            if own_handler is not None:
-                handlers[op_call] = own_handler
 
 
 def _parts_on(placement: Placement, dim: int, ndim: int) -> int | None:
@@ -96,12 +75,12 @@ def _split_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
     source, split_size_or_sizes = args[0], args[1]
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
     if not isinstance(source, DTensor) or source.ndim == 0:
-        return _previous_dispatch(op_call, args, kwargs)
+        return dispatch_previous(op_call, args, kwargs)
     dim %= source.ndim
     sharding = _sole_sharding_mesh_dim(source, dim)
     dim_size = source.shape[dim]
     if sharding is None or sharding[1] < 2 or dim_size % sharding[1]:
-        return _previous_dispatch(op_call, args, kwargs)
+        return dispatch_previous(op_call, args, kwargs)
     mesh_dim, parts = sharding
     part_size = dim_size // parts
     if isinstance(split_size_or_sizes, int):
@@ -111,7 +90,7 @@ def _split_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
     else:
         sizes = list(split_size_or_sizes)
     if part_size == 0 or any(size % part_size for size in sizes):
-        return _previous_dispatch(op_call, args, kwargs)
+        return dispatch_previous(op_call, args, kwargs)
     local = source.to_local()
     local_part_size = local.size(dim) // parts
     local_pieces = local.split([size // part_size * local_part_size for size in sizes], dim)
@@ -138,11 +117,11 @@ def _cat_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     first = tensors[0] if tensors else None
     if len(tensors) < 2 or not all(isinstance(tensor, DTensor) for tensor in tensors) or first.ndim == 0:
-        return _previous_dispatch(op_call, args, kwargs)
+        return dispatch_previous(op_call, args, kwargs)
     dim %= first.ndim
     shardings = [_sole_sharding_mesh_dim(tensor, dim) for tensor in tensors]
     if any(sharding is None or sharding[0] != shardings[0][0] for sharding in shardings):
-        return _previous_dispatch(op_call, args, kwargs)
+        return dispatch_previous(op_call, args, kwargs)
     mesh_dim = shardings[0][0]
     part_sizes = {
         divmod(tensor.shape[dim], parts) for tensor, (_, parts) in zip(tensors, shardings, strict=True)
@@ -159,7 +138,7 @@ def _cat_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
         and all(tensor.device_mesh == first.device_mesh and tensor.ndim == first.ndim for tensor in tensors)
     )
     if not joinable:
-        return _previous_dispatch(op_call, args, kwargs)
+        return dispatch_previous(op_call, args, kwargs)
     local = torch.cat([tensor.to_local() for tensor in tensors], dim)
     shape = list(first.shape)
     shape[dim] = sum(tensor.shape[dim] for tensor in tensors)
@@ -189,8 +168,4 @@ def register_interleaved_ops() -> None:
         register_interleaved_ops()
         parts = interleaved.chunk(3, dim=0)   # three Shard(0) DTensors, no all-gather
     """
-    handlers = _compat.dtensor_custom_op_handlers()
-    for op, handler in INTERLEAVED_OPS.items():
-        if handlers.get(op) is not handler:
-            _previous_handlers[op] = handlers.get(op)
-            handlers[op] = handler
+    register_op_handlers(INTERLEAVED_OPS)

@@ -1,0 +1,140 @@
+"""Matching a :class:`~vescale.dmodule.sharding_plan.ShardingPlan` against a module.
+
+Each parameter FQN and module FQN gets the placements of the last plan entry whose pattern
+matches it (the documented precedence), expanded to one placement per mesh dim. Every
+pattern must match something, tied parameters must agree, and every parameter placement
+must be possible for the parameter's shape; the errors name the FQN, the shape, the mesh
+and the fix. Nothing is applied here: resolution either succeeds whole or raises.
+
+Example::
+
+    resolved = resolve_plan(plan, model, mesh_shape=(2,), mesh_dim=0)
+    resolved.parameters["fc1.weight"].placements   # (Shard(dim=0),)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from vescale.dmodule._plan_fqns import compiled_pattern, no_match_message
+from vescale.dmodule.errors import ShardingPlanError
+from vescale.dmodule.sharding_plan import (
+    ForwardPlacements,
+    ResolvedSharding,
+    ResolvedShardingPlan,
+    ShardingPlan,
+    TensorPlacements,
+)
+from vescale.dtensor.placements import InterleavedShard, placement_to_string
+
+__all__ = ["resolve_plan"]
+
+
+def _on_full_mesh(
+    placements: TensorPlacements, mesh_shape: tuple[int, ...], mesh_dim: int, where: str
+) -> TensorPlacements:
+    if len(placements) == len(mesh_shape):
+        return placements
+    if len(placements) == 1:
+        full = [Replicate()] * len(mesh_shape)
+        full[mesh_dim] = placements[0]
+        return tuple(full)
+    raise ShardingPlanError(
+        f"{where}: {len(placements)} placements for a {len(mesh_shape)}-dim mesh of shape {mesh_shape}; "
+        f"give one placement (applied on mesh dim {mesh_dim}) or one per mesh dim"
+    )
+
+
+def _forward_on_full_mesh(
+    placements: ForwardPlacements, mesh_shape: tuple[int, ...], mesh_dim: int, where: str
+) -> ForwardPlacements:
+    def expand(item: TensorPlacements | None, label: str) -> TensorPlacements | None:
+        return None if item is None else _on_full_mesh(item, mesh_shape, mesh_dim, f"{where}{label}")
+
+    return ForwardPlacements(
+        args=tuple(expand(item, f"[{index}]") for index, item in enumerate(placements.args)),
+        kwargs=tuple((name, expand(item, f"[{name!r}]")) for name, item in placements.kwargs),
+    )
+
+
+def _check_possible(fqn: str, shape: Sequence[int], placements: TensorPlacements, mesh_shape: tuple) -> None:
+    for mesh_dim, placement in enumerate(placements):
+        if not isinstance(placement, Shard | InterleavedShard):
+            continue
+        problem = ""
+        if not -len(shape) <= placement.dim < len(shape):
+            problem = f"tensor dim {placement.dim} does not exist"
+        elif isinstance(placement, InterleavedShard) and shape[placement.dim] % placement.interleaved_size:
+            problem = (
+                f"dim {placement.dim % len(shape)} of size {shape[placement.dim]} is not "
+                f"{placement.interleaved_size} equal fused parts"
+            )
+        if problem:
+            raise ShardingPlanError(
+                f"parameter {fqn!r} of shape {tuple(shape)} cannot take {placement_to_string(placement)} "
+                f"on mesh dim {mesh_dim} (size {mesh_shape[mesh_dim]}): {problem}; give it a placement "
+                f'for one of its dims 0..{len(shape) - 1}, or "R"'
+            )
+
+
+def _check_tied(parameters: dict[str, nn.Parameter], resolved: dict[str, ResolvedSharding]) -> None:
+    owners: dict[int, str] = {}
+    for fqn, parameter in parameters.items():
+        first = owners.setdefault(id(parameter), fqn)
+        if first == fqn:
+            continue
+        first_placements = resolved[first].placements if first in resolved else None
+        placements = resolved[fqn].placements if fqn in resolved else None
+        if first_placements != placements:
+            raise ShardingPlanError(
+                f"parameters {first!r} and {fqn!r} are one tied tensor but the plan gives them different "
+                f"placements ({_describe(first_placements)} and {_describe(placements)}); give both the same"
+            )
+
+
+def _describe(placements: TensorPlacements | None) -> str:
+    if placements is None:
+        return "none"
+    return "[" + ", ".join(placement_to_string(placement) for placement in placements) + "]"
+
+
+def resolve_plan(
+    plan: ShardingPlan, module: nn.Module, mesh_shape: tuple[int, ...], mesh_dim: int
+) -> ResolvedShardingPlan:
+    """What ``plan`` decides for each parameter and module of ``module`` (see the module docstring)."""
+    if not 0 <= mesh_dim < len(mesh_shape):
+        raise ShardingPlanError(
+            f"mesh dim {mesh_dim} does not exist in a mesh of shape {mesh_shape}; "
+            f"choose 0..{len(mesh_shape) - 1}"
+        )
+    parameters = dict(module.named_parameters(remove_duplicate=False))
+    resolved_parameters: dict[str, ResolvedSharding] = {}
+    for pattern, placements in plan.parameter:
+        where = f"parameter['{pattern}']"
+        regex = compiled_pattern(pattern)
+        matched = [fqn for fqn in parameters if regex.fullmatch(fqn)]
+        if not matched:
+            raise ShardingPlanError(no_match_message("parameter", pattern, pattern, "parameter", parameters))
+        full = _on_full_mesh(placements, mesh_shape, mesh_dim, where)
+        for fqn in matched:
+            _check_possible(fqn, parameters[fqn].shape, full, mesh_shape)
+            resolved_parameters[fqn] = ResolvedSharding(full, pattern)
+    _check_tied(parameters, resolved_parameters)
+
+    module_fqns = [fqn for fqn, _ in module.named_modules(remove_duplicate=False)]
+    forward: dict[str, dict[str, tuple[ForwardPlacements, str]]] = {"input": {}, "output": {}}
+    for pattern, suffix, placements in plan.forward:
+        regex = compiled_pattern(pattern)
+        matched = [fqn for fqn in module_fqns if regex.fullmatch(fqn)]
+        key = f"{pattern}.{suffix}" if pattern else suffix
+        if not matched:
+            raise ShardingPlanError(no_match_message("forward", key, pattern, "module", module_fqns))
+        full = _forward_on_full_mesh(placements, mesh_shape, mesh_dim, f"forward['{key}']")
+        for fqn in matched:
+            forward[suffix][fqn] = (full, pattern)
+    return ResolvedShardingPlan(
+        parameters=resolved_parameters, inputs=forward["input"], outputs=forward["output"]
+    )

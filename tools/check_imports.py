@@ -3,7 +3,9 @@
     python tools/check_imports.py          # every package; exit 1 naming each offending import
 
 A component's code may import the standard library, its declared dependencies and the
-``vescale.<sibling>`` packages it declares; its tests may also import its ``test`` extra.
+``vescale.<sibling>`` packages it declares; its tests may also import its ``test`` extra, and
+so may its shipped test-support code (``src/vescale/<name>/testing/``), but only inside
+functions, so that importing the testing package never needs the extra.
 No component may import the meta-package (``import vescale`` or ``from vescale import x``).
 Imports guarded by ``try: ... except ImportError`` are optional and not checked.
 The check is static (it reads the code): CI also installs each component alone and runs
@@ -52,7 +54,16 @@ def _is_optional(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
     return False
 
 
-def _imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
+def _in_function(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            return True
+    return False
+
+
+def _imported_modules(tree: ast.AST) -> list[tuple[int, str, bool]]:
+    """``(line, module, lazy)`` for every import that is not optional; lazy: inside a function."""
     parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
     found = []
     for node in ast.walk(tree):
@@ -66,7 +77,8 @@ def _imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
         else:
             continue
         if not _is_optional(node, parents):
-            found.extend((node.lineno, module) for module in modules)
+            lazy = _in_function(node, parents)
+            found.extend((node.lineno, module, lazy) for module in modules)
     return found
 
 
@@ -87,11 +99,13 @@ def check_package(package_dir: Path) -> list[str]:
     runtime = _allowed_modules(project.get("dependencies", []))
     test = runtime | _allowed_modules(project.get("optional-dependencies", {}).get("test", []))
     problems = []
+    testing_dir = package_dir / "src" / "vescale" / own.split(".")[1] / "testing"
     for folder, allowed in (("src", runtime), ("tests", test)):
         for source in sorted((package_dir / folder).rglob("*.py")):
             tree = ast.parse(source.read_text(), filename=str(source))
-            for line, module in _imported_modules(tree):
-                if _offending(module, own, allowed):
+            test_support = testing_dir in source.parents
+            for line, module, lazy in _imported_modules(tree):
+                if _offending(module, own, test if test_support and lazy else allowed):
                     problems.append(
                         f"{source.relative_to(ROOT)}:{line}: imports {module!r}, which {name} does not "
                         f"declare; add it to {package_dir.relative_to(ROOT)}/pyproject.toml "

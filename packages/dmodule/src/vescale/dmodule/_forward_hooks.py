@@ -1,0 +1,157 @@
+"""Forward hooks that put a module's inputs and outputs into the placements its plan names.
+
+A DTensor is redistributed (a no-op when it already has the placements). A plain tensor is
+taken as the *full* tensor, the same on every rank, as single-device code passes it, and
+becomes a DTensor by local slicing (no communication): Replicate stays whole, Shard cuts the
+rank's chunk. A plain tensor cannot become Partial (nothing says how its sum is split).
+Inputs are named by position or by keyword; a name the caller passed by position is found
+through the signature of the module's ``forward``. Outputs are named by position (a single
+tensor is position 0; tuples and ``ModelOutput``s by index) or by key.
+
+Example::
+
+    replicated = ForwardPlacements(args=((Replicate(),),))
+    hooks = register_forward_placement_hooks(block, mesh, inputs=replicated, outputs=None, fqn="layers.0")
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.utils.hooks import RemovableHandle
+
+from vescale.dmodule.errors import DModuleError
+from vescale.dmodule.sharding_plan import ForwardPlacements, TensorPlacements
+from vescale.dtensor.placements import placement_to_string, to_torch_placements
+
+__all__ = ["convert_to_placements", "register_forward_placement_hooks"]
+
+
+def convert_to_placements(value: Any, mesh: DeviceMesh, placements: TensorPlacements, where: str) -> Any:
+    """``value`` in ``placements`` on ``mesh``; anything that is not a tensor is returned as it is.
+
+    Example::
+
+        hidden = convert_to_placements(hidden, mesh, (Replicate(), Shard(1)), "model.layers.0 input 0")
+    """
+    if not isinstance(value, torch.Tensor):
+        return value
+    target = to_torch_placements(placements)
+    if isinstance(value, DTensor):
+        if value.device_mesh != mesh:
+            raise DModuleError(
+                f"{where}: the tensor lives on mesh {value.device_mesh} but the plan places it on {mesh}; "
+                "parallelize the producing module on the same mesh"
+            )
+        if tuple(value.placements) == target:
+            return value
+        return value.redistribute(mesh, target)
+    if any(isinstance(placement, Partial) for placement in target):
+        raise DModuleError(
+            f"{where}: a plain tensor cannot be made Partial "
+            f"([{', '.join(placement_to_string(p) for p in target)}]); give it 'R' or a Shard"
+        )
+    replicated = DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    if all(isinstance(placement, Replicate) for placement in target):
+        return replicated
+    return replicated.redistribute(mesh, target)
+
+
+def _positional_index(module: nn.Module, name: str) -> int | None:
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    for index, parameter in enumerate(parameters):
+        if parameter.name == name and parameter.kind in (
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        ):
+            return index
+    return None
+
+
+def _convert_inputs(
+    module: nn.Module, mesh: DeviceMesh, spec: ForwardPlacements, fqn: str, args: tuple, kwargs: dict
+) -> tuple[tuple, dict]:
+    args = list(args)
+    for index, placements in enumerate(spec.args):
+        if placements is not None and index < len(args):
+            args[index] = convert_to_placements(
+                args[index], mesh, placements, f"{fqn or '<root>'} input {index}"
+            )
+    for name, placements in spec.kwargs:
+        if placements is None:
+            continue
+        where = f"{fqn or '<root>'} input {name!r}"
+        if name in kwargs:
+            kwargs[name] = convert_to_placements(kwargs[name], mesh, placements, where)
+            continue
+        index = _positional_index(module, name)
+        if index is not None and index < len(args):
+            args[index] = convert_to_placements(args[index], mesh, placements, where)
+    return tuple(args), kwargs
+
+
+def _convert_outputs(output: Any, mesh: DeviceMesh, spec: ForwardPlacements, fqn: str) -> Any:
+    where = f"{fqn or '<root>'} output"
+    if isinstance(output, torch.Tensor):
+        placements = spec.args[0] if spec.args else None
+        return output if placements is None else convert_to_placements(output, mesh, placements, f"{where} 0")
+    if isinstance(
+        output, dict
+    ):  # ModelOutput is an OrderedDict; assigning by key keeps its attributes in step
+        keys = list(output.keys())
+        for index, placements in enumerate(spec.args):
+            if placements is not None and index < len(keys):
+                output[keys[index]] = convert_to_placements(
+                    output[keys[index]], mesh, placements, f"{where} {index}"
+                )
+        for name, placements in spec.kwargs:
+            if placements is not None and name in output:
+                output[name] = convert_to_placements(output[name], mesh, placements, f"{where} {name!r}")
+        return output
+    if isinstance(output, Sequence) and not isinstance(output, str):
+        items = list(output)
+        for index, placements in enumerate(spec.args):
+            if placements is not None and index < len(items):
+                items[index] = convert_to_placements(items[index], mesh, placements, f"{where} {index}")
+        return type(output)(items) if isinstance(output, tuple | list) else items
+    return output
+
+
+def register_forward_placement_hooks(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    inputs: ForwardPlacements | None,
+    outputs: ForwardPlacements | None,
+    fqn: str,
+) -> list[RemovableHandle]:
+    """Hooks that convert ``module``'s inputs and outputs as the plan says; their handles.
+
+    Example::
+
+        sharded = ForwardPlacements(args=((Shard(-1),),))
+        hooks = register_forward_placement_hooks(lm_head, mesh, inputs=None, outputs=sharded, fqn="lm_head")
+    """
+    handles = []
+    if inputs is not None:
+
+        def convert_inputs(hooked: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return _convert_inputs(hooked, mesh, inputs, fqn, args, kwargs)
+
+        handles.append(module.register_forward_pre_hook(convert_inputs, with_kwargs=True))
+    if outputs is not None:
+
+        def convert_outputs(hooked: nn.Module, args: tuple, output: Any) -> Any:
+            return _convert_outputs(output, mesh, outputs, fqn)
+
+        handles.append(module.register_forward_hook(convert_outputs))
+    return handles

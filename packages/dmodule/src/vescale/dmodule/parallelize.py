@@ -1,0 +1,169 @@
+"""``parallelize_module``: turn an unmodified ``nn.Module`` into a DModule, in place.
+
+Steps, all decided before anything changes so that a bad plan leaves the module untouched:
+
+1. the plan is parsed and resolved against the module (every pattern must match; every
+   placement must be possible for its tensor);
+2. every parameter becomes a DTensor on the whole mesh: the plan's placements on the
+   plan's mesh dim, Replicate on every other dim (and for parameters the plan does not
+   name). Tied parameters stay one parameter. Values come from rank 0's module;
+3. forward hooks put the inputs and outputs the plan names into their placements;
+4. plain tensors created inside the module's forward count as Replicate
+   (:func:`vescale.dtensor.implicit_replication.implicit_replication_scope`);
+5. gradients that arrive Partial (Replicate parameters next to sharded activations) are
+   reduced at the end of backward (:mod:`vescale.dtensor.grad_sync`);
+6. an exception in a forward names the innermost module and its input placements.
+
+Example::
+
+    mesh = init_mesh(tp=2)
+    model = parallelize_module(model, mesh, {"parameter": {r"fc1\\.weight": "S(0)", r"fc2\\.weight": "S(1)"}})
+    model(x).sum().backward()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.hooks import RemovableHandle
+
+import vescale.dtensor.ops  # noqa: F401  (registers the sharding strategies a model forward needs)
+from vescale.dmodule._forward_hooks import register_forward_placement_hooks
+from vescale.dmodule.debug import name_failing_modules
+from vescale.dmodule.errors import DModuleError
+from vescale.dmodule.sharding_plan import ResolvedShardingPlan, ShardingPlan
+from vescale.dtensor.grad_sync import GradSync, attach_grad_sync
+from vescale.dtensor.implicit_replication import ImplicitReplicationHandle, implicit_replication_scope
+from vescale.dtensor.placements import distribute_tensor
+
+__all__ = ["DMODULE_ATTRIBUTE", "DModuleState", "is_dmodule", "parallelize_module"]
+
+DMODULE_ATTRIBUTE = "_vescale_dmodule"
+
+
+@dataclass
+class DModuleState:
+    """What ``parallelize_module`` did to a module: its mesh, plan and the hooks it installed."""
+
+    mesh: DeviceMesh
+    mesh_dim: int
+    plan: ShardingPlan
+    resolved: ResolvedShardingPlan
+    grad_sync: GradSync
+    implicit_replication: ImplicitReplicationHandle
+    hook_handles: list[RemovableHandle] = field(default_factory=list)
+
+
+def is_dmodule(module: nn.Module) -> bool:
+    """Whether ``parallelize_module`` has been applied to ``module``."""
+    return getattr(module, DMODULE_ATTRIBUTE, None) is not None
+
+
+def _mesh_dim_index(mesh: DeviceMesh, mesh_dim: str | int) -> int:
+    names = mesh.mesh_dim_names
+    if isinstance(mesh_dim, int) and not isinstance(mesh_dim, bool):
+        if 0 <= mesh_dim < mesh.ndim:
+            return mesh_dim
+        raise DModuleError(
+            f"mesh_dim={mesh_dim} does not exist in a {mesh.ndim}-dim mesh; use 0..{mesh.ndim - 1}"
+        )
+    if names and mesh_dim in names:
+        return names.index(mesh_dim)
+    if not names and mesh.ndim == 1:
+        return 0
+    raise DModuleError(
+        f"mesh_dim={mesh_dim!r} is not a dimension of the mesh (its dims: {names}); pass one of them, "
+        "e.g. parallelize_module(model, mesh, plan, mesh_dim='tp')"
+    )
+
+
+def _check_parallelizable(module: nn.Module) -> None:
+    for fqn, submodule in module.named_modules():
+        if is_dmodule(submodule):
+            where = "the module" if not fqn else f"its submodule {fqn!r}"
+            raise DModuleError(
+                f"{where} is parallelized already; parallelize_module applies once per module tree. Build "
+                "the model again (or deferred_init it) and apply one plan that covers it all"
+            )
+    for fqn, parameter in module.named_parameters():
+        if isinstance(parameter, DTensor):
+            raise DModuleError(
+                f"parameter {fqn!r} is a DTensor already; parallelize_module expects the single-device module"
+            )
+        if parameter.is_meta:
+            raise DModuleError(
+                f"parameter {fqn!r} is on the meta device (no values); materialise the module first, or "
+                "build it with vescale.dmodule.deferred_init"
+            )
+
+
+def _distributed_parameters(
+    module: nn.Module, mesh: DeviceMesh, resolved: ResolvedShardingPlan
+) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """``(owner, name, new parameter)`` for every parameter slot; tied slots share one parameter."""
+    replicate_everywhere = (Replicate(),) * mesh.ndim
+    by_identity: dict[int, nn.Parameter] = {}
+    slots = []
+    for module_fqn, owner in module.named_modules(remove_duplicate=False):
+        for name, parameter in owner._parameters.items():
+            if parameter is None:
+                continue
+            fqn = f"{module_fqn}.{name}" if module_fqn else name
+            if id(parameter) not in by_identity:
+                sharding = resolved.parameters.get(fqn)
+                placements = sharding.placements if sharding is not None else replicate_everywhere
+                dtensor = distribute_tensor(parameter.detach(), mesh, placements)
+                by_identity[id(parameter)] = nn.Parameter(dtensor, requires_grad=parameter.requires_grad)
+            slots.append((owner, name, by_identity[id(parameter)]))
+    return slots
+
+
+def parallelize_module(
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    sharding_plan: Mapping[str, Any] | ShardingPlan,
+    *,
+    mesh_dim: str | int = "tp",
+) -> nn.Module:
+    """Apply ``sharding_plan`` to ``module`` on ``device_mesh``'s ``mesh_dim``, in place; return it.
+
+    Example::
+
+        model = parallelize_module(model, init_mesh(dp=2, tp=2), plan)   # plan applies on "tp"
+        print(vescale.dmodule.format_placements(model))
+    """
+    plan = ShardingPlan.from_dict(sharding_plan)
+    _check_parallelizable(module)
+    mesh_dim_index = _mesh_dim_index(device_mesh, mesh_dim)
+    resolved = plan.resolve(module, mesh_shape=tuple(device_mesh.shape), mesh_dim=mesh_dim_index)
+    slots = _distributed_parameters(module, device_mesh, resolved)
+    for owner, name, parameter in slots:
+        owner._parameters[name] = parameter
+
+    modules = dict(module.named_modules())
+    hook_handles = []
+    for fqn in dict.fromkeys([*resolved.inputs, *resolved.outputs]):
+        hook_handles += register_forward_placement_hooks(
+            modules[fqn],
+            device_mesh,
+            inputs=resolved.inputs.get(fqn, (None,))[0],
+            outputs=resolved.outputs.get(fqn, (None,))[0],
+            fqn=fqn,
+        )
+    hook_handles += name_failing_modules(module)
+    state = DModuleState(
+        mesh=device_mesh,
+        mesh_dim=mesh_dim_index,
+        plan=plan,
+        resolved=resolved,
+        grad_sync=attach_grad_sync(module),
+        implicit_replication=implicit_replication_scope(module),
+        hook_handles=hook_handles,
+    )
+    setattr(module, DMODULE_ATTRIBUTE, state)
+    return module

@@ -49,8 +49,8 @@ def convert_to_placements(value: Any, mesh: DeviceMesh, placements: TensorPlacem
                 f"{where}: the tensor lives on mesh {value.device_mesh} but the plan places it on {mesh}; "
                 "parallelize the producing module on the same mesh"
             )
-        if tuple(value.placements) == target:
-            return value
+        # Even when the placements already agree: the redistribution's backward returns the
+        # gradient in these placements (Megatron's "identity forward, all-reduce backward").
         return value.redistribute(mesh, target)
     if any(isinstance(placement, Partial) for placement in target):
         raise DModuleError(

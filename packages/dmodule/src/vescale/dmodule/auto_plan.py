@@ -1,0 +1,242 @@
+"""Automatic tensor/sequence-parallel plans, derived from what a model's forward does.
+
+:func:`auto_sharding_plan` traces one forward (on meta parameters too; see
+:mod:`vescale.dmodule._dataflow_trace`) and applies Megatron's rules to what it saw, never
+to class or module names:
+
+* a projection whose output features another projection consumes (through elementwise ops,
+  head reshapes and attention, but no norm) is **column**-parallel: its output features are
+  sharded (``InterleavedShard`` when its output is split into equal parts, as GPT-2's fused
+  q|k|v or a fused gate|up); the consumer is **row**-parallel: its input features are
+  sharded and its output is reduced (all-reduce, or reduce-scatter over the sequence with
+  sequence parallelism). Heads stay whole: the plan notes the head counts a TP size must divide;
+* embedding tables are sharded by rows (vocabulary parallel);
+* a projection whose output goes to a log-softmax over its features (the LM head) is
+  column-parallel with vocabulary-sharded logits: the loss runs on the shards;
+* anything else (a router whose output feeds ``topk``, a projection nobody consumes) stays
+  Replicate, and the result says which and why;
+* with ``sequence_parallel=True`` activations between blocks are sharded on the sequence dim
+  (dim 1): embedding outputs and row outputs reduce-scatter into it, column inputs gather it.
+
+Example::
+
+    result = plan_tensor_parallel(model, sequence_parallel=True)
+    print(result.explain())
+    parallelize_module(model, init_mesh(tp=4), result.plan)
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vescale.dmodule._dataflow_trace import DataflowTrace, Projection, trace_dataflow
+from vescale.dmodule.errors import ShardingPlanError
+from vescale.dmodule.sharding_plan import ShardingPlan
+
+__all__ = ["AutoShardingResult", "auto_sharding_plan", "plan_tensor_parallel"]
+
+logger = logging.getLogger("vescale.dmodule")
+
+
+@dataclass(frozen=True)
+class AutoShardingResult:
+    """The automatic plan, why each projection got what it got, and the sizes TP must divide."""
+
+    plan: ShardingPlan
+    decisions: tuple[tuple[str, str], ...] = ()
+    """``(parameter FQN, decision and reason)`` for every projection and embedding."""
+    head_counts: tuple[int, ...] = ()
+    """Head counts of the column-parallel attention projections: a TP size must divide each."""
+
+    def explain(self) -> str:
+        """One line per decision, then the head-count constraint."""
+        width = max((len(name) for name, _ in self.decisions), default=0)
+        lines = [f"{name:<{width}}  {reason}" for name, reason in self.decisions]
+        if self.head_counts:
+            lines.append(f"tensor-parallel size must divide the head counts {sorted(set(self.head_counts))}")
+        return "\n".join(lines)
+
+    def check_tp_size(self, tp_size: int) -> None:
+        """Raise ``ShardingPlanError`` if ``tp_size`` would split an attention head."""
+        bad = sorted({heads for heads in self.head_counts if heads % tp_size})
+        if bad:
+            raise ShardingPlanError(
+                f"a tensor-parallel size of {tp_size} does not divide the head counts {bad}; choose a size "
+                f"that divides {sorted(set(self.head_counts))}"
+            )
+
+
+def _compact(entries: dict[str, object]) -> dict[str, object]:
+    """``{fqn: value}`` as ``{pattern: value}``, one pattern for every layer where the value agrees."""
+    by_pattern: dict[str, dict[str, object]] = {}
+    for fqn, value in entries.items():
+        pattern = re.sub(r"(?<=\\\.)\d+(?=\\\.)|^\d+(?=\\\.)", r"\\d+", re.escape(fqn))
+        by_pattern.setdefault(pattern, {})[fqn] = value
+    compact: dict[str, object] = {}
+    for pattern, members in by_pattern.items():
+        values = list(members.values())
+        if all(value == values[0] for value in values):
+            compact[pattern] = values[0]
+        else:
+            compact.update({re.escape(fqn): value for fqn, value in members.items()})
+    return compact
+
+
+def _module_of(parameter_fqn: str) -> str:
+    return parameter_fqn.rpartition(".")[0]
+
+
+def _default_example(model: nn.Module) -> tuple[tuple, dict]:
+    parameter = next(model.parameters(), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    # Distinct batch and sequence sizes, so that no dim is mistaken for the other.
+    input_ids = torch.zeros(2, 8, dtype=torch.long, device=device)
+    names = list(inspect.signature(model.forward).parameters)
+    if "input_ids" in names and "labels" in names:
+        return (), {"input_ids": input_ids, "labels": input_ids}
+    positional = [name for name in names if name not in ("args", "kwargs")]
+    return ((input_ids, input_ids) if len(positional) >= 2 else (input_ids,)), {}
+
+
+def _column(projection: Projection, parameter: str, split_parts: int) -> str:
+    dim = projection.out_dim if parameter == projection.weight else 0
+    return f"IS({dim},{split_parts})" if split_parts > 1 else f"S({dim})"
+
+
+def _fused_parts(projection: Projection) -> tuple[int, str]:
+    """How many equal fused parts the projection's output is cut into, or 0 and why it cannot be split."""
+    if projection.split_parts > 1 or not projection.slices:
+        return projection.split_parts, ""
+    cuts = sorted(projection.slices)
+    sizes = [end - start for start, end in cuts]
+    tiles = cuts[0][0] == 0 and cuts[-1][1] == projection.feature_size
+    tiles = tiles and all(cuts[i][1] == cuts[i + 1][0] for i in range(len(cuts) - 1))
+    if not tiles:
+        return 1, ""
+    if len(set(sizes)) == 1:
+        return len(cuts), ""
+    return 0, f"its output is cut into unequal fused parts {sizes}, which InterleavedShard cannot shard"
+
+
+def _decide(trace: DataflowTrace) -> tuple[dict[str, str], dict[str, str], list[str], list[str], list[str]]:
+    """Parameter placements, decisions, column weights, row weights and vocabulary-parallel heads."""
+    placements: dict[str, str] = {}
+    decisions: dict[str, str] = {}
+    columns, rows, lm_heads = [], [], []
+    projections = trace.projections
+    consumed_by: dict[str, list[str]] = {}
+    for name, projection in projections.items():
+        for producer in projection.consumes:
+            consumed_by.setdefault(producer, []).append(name)
+    for name, projection in projections.items():
+        producers = [projections[p] for p in projection.consumes if p in projections]
+        if not producers:
+            continue
+        blocked = [p.weight for p in producers if p.routing or p.consumes]
+        unequal = [reason for p in producers if (reason := _fused_parts(p)[1])]
+        if blocked or projection.routing or unequal:
+            why = unequal[0] if unequal else f"{name} consumes {blocked or [name]}, which cannot be split"
+            for member in [name, *(p.weight for p in producers)]:
+                decisions[member] = f"replicated: {why}"
+            continue
+        rows.append(name)
+        placements[name] = f"S({projection.in_dim})"
+        decisions[name] = f"row-parallel S({projection.in_dim}): consumes {sorted(projection.consumes)}"
+        for producer in producers:
+            columns.append(producer.weight)
+            split_parts = _fused_parts(producer)[0]
+            placements[producer.weight] = _column(producer, producer.weight, split_parts)
+            if producer.bias:
+                placements[producer.bias] = _column(producer, producer.bias, split_parts)
+            parts = f", {split_parts} fused parts" if split_parts > 1 else ""
+            decisions[producer.weight] = f"column-parallel {placements[producer.weight]}: feeds {name}{parts}"
+    for name, projection in projections.items():
+        if name in placements or name in decisions:
+            continue
+        if projection.log_softmax and not projection.routing and name not in consumed_by:
+            lm_heads.append(name)
+            placements[name] = f"S({projection.out_dim})"
+            decisions[name] = "column-parallel, vocabulary-sharded logits: its output goes to a log-softmax"
+        elif projection.routing:
+            decisions[name] = "replicated: its output feeds routing (topk/argmax), which needs all of it"
+        else:
+            decisions[name] = "replicated: no projection consumes its output, so no column/row pair"
+    for embedding in sorted(trace.embeddings):
+        placements[embedding] = "S(0)"
+        decisions[embedding] = "vocabulary-parallel S(0): an embedding table, sharded by rows"
+    return placements, decisions, columns, rows, lm_heads
+
+
+def plan_tensor_parallel(
+    model: nn.Module,
+    *,
+    sequence_parallel: bool = False,
+    example_args: tuple | None = None,
+    example_kwargs: dict | None = None,
+) -> AutoShardingResult:
+    """The automatic plan of ``model`` with the reasons behind it (see the module docstring).
+
+    Example::
+
+        result = plan_tensor_parallel(model)
+        result.check_tp_size(4); print(result.explain())
+    """
+    if example_args is None and example_kwargs is None:
+        example_args, example_kwargs = _default_example(model)
+    trace = trace_dataflow(model, example_args or (), example_kwargs or {})
+    placements, decisions, columns, rows, lm_heads = _decide(trace)
+    residual = "S(1)" if sequence_parallel else "R"
+    forward: dict[str, object] = {}
+    for embedding in sorted(trace.embeddings):
+        three_dims = trace.output_ndims.get(_module_of(embedding)) == 3
+        forward[f"{_module_of(embedding)}.output"] = [residual if three_dims else "R"]
+    for column in columns:
+        forward.setdefault(f"{_module_of(column)}.input", ["R"])
+    for row in rows:
+        # Only (batch, sequence, hidden) outputs can be sharded on the sequence; flattened tokens are reduced.
+        three_dims = trace.output_ndims.get(_module_of(row)) == 3
+        forward[f"{_module_of(row)}.output"] = [residual if three_dims else "R"]
+    for head in lm_heads:
+        forward[f"{_module_of(head)}.input"] = ["R"]
+        forward[f"{_module_of(head)}.output"] = ["S(-1)"]
+    plan = ShardingPlan.from_dict(
+        {
+            "parameter": _compact(placements),
+            "forward": _compact_forward(forward),
+        }
+    )
+    head_counts = tuple(trace.projections[c].heads for c in columns if trace.projections[c].heads)
+    replicated = [name for name, reason in decisions.items() if reason.startswith("replicated")]
+    if replicated:
+        logger.info("auto_sharding_plan leaves %d projections replicated: %s", len(replicated), replicated)
+    return AutoShardingResult(plan=plan, decisions=tuple(sorted(decisions.items())), head_counts=head_counts)
+
+
+def _compact_forward(forward: dict[str, object]) -> dict[str, object]:
+    by_module = {key.rpartition(".")[0]: {} for key in forward}
+    for key, value in forward.items():
+        module, _, suffix = key.rpartition(".")
+        by_module[module][suffix] = value
+    compact = {}
+    for suffix in ("input", "output"):
+        entries = {module: entries[suffix] for module, entries in by_module.items() if suffix in entries}
+        for pattern, value in _compact(entries).items():
+            compact[f"{pattern}.{suffix}"] = value
+    return compact
+
+
+def auto_sharding_plan(model: nn.Module, *, sequence_parallel: bool = False) -> ShardingPlan:
+    """A tensor-parallel plan for ``model`` from its structure (see :func:`plan_tensor_parallel`).
+
+    Example::
+
+        plan = auto_sharding_plan(model, sequence_parallel=True)
+        parallelize_module(model, init_mesh(tp=2), plan)
+    """
+    return plan_tensor_parallel(model, sequence_parallel=sequence_parallel).plan

@@ -35,8 +35,18 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
 from vescale.dtensor import _compat
+from vescale.dtensor.errors import DTensorError
 
-__all__ = ["ImplicitReplicationHandle", "ReplicatePlainTensorsMode", "implicit_replication_scope"]
+__all__ = [
+    "ImplicitReplicationError",
+    "ImplicitReplicationHandle",
+    "ReplicatePlainTensorsMode",
+    "implicit_replication_scope",
+]
+
+
+class ImplicitReplicationError(DTensorError, TypeError):
+    """:func:`implicit_replication_scope` was given something that is not an ``nn.Module``."""
 
 
 def _first_dtensor(value: Any) -> DTensor | None:
@@ -138,7 +148,7 @@ def implicit_replication_scope(module: nn.Module) -> ImplicitReplicationHandle:
         handle.remove()
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(
+        raise ImplicitReplicationError(
             f"implicit_replication_scope expects an nn.Module, got {type(module).__name__}; "
             "pass the parallelized module whose forward creates plain tensors."
         )

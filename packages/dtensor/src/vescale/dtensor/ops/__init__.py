@@ -12,7 +12,7 @@ Example::
         model(input_ids).logits.sum().backward()
 """
 
-from vescale.dtensor.ops import attention, concat
+from vescale.dtensor.ops import attention, concat, elementwise, grouped_mm, loss, views
 from vescale.dtensor.ops.coverage import OpCoverageRecorder, OpCoverageReport, has_sharding_strategy, op_name
 
 __all__ = [
@@ -20,6 +20,10 @@ __all__ = [
     "OpCoverageReport",
     "attention",
     "concat",
+    "elementwise",
+    "grouped_mm",
     "has_sharding_strategy",
+    "loss",
     "op_name",
+    "views",
 ]

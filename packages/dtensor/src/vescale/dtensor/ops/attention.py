@@ -5,9 +5,10 @@ PyTorch shards the CUDA kernels (flash, efficient, cuDNN); on CPU,
 (and its backward), or ``_scaled_dot_product_attention_math`` when DTensor decomposes it.
 Attention is independent per batch row and per head, so each op shards on the batch dim
 (0) or the head dim (1) of query, key, value, outputs and gradients alike. Grouped-query
-attention keeps head sharding valid as long as the key/value head count divides by the
-mesh dim size, since contiguous head chunks then pair query groups with their key/value
-heads. An attention mask broadcast over a dim (size 1 there) stays Replicate.
+attention (fewer key/value heads than query heads) keeps head sharding valid only when the
+key/value head count divides by the mesh size, since contiguous head chunks then pair each
+query group with its key/value head; otherwise heads are not offered as a sharding dim.
+An attention mask broadcast over a dim (size 1 there) stays Replicate.
 
 Example::
 
@@ -41,13 +42,21 @@ def _shard_unless_broadcast(spec: Any, dim: int) -> Placement:
     return Shard(dim) if spec.shape[dim] > 1 else Replicate()
 
 
+def _heads_shard_evenly(query: Any, key: Any) -> bool:
+    """Whether chunking the head dim pairs every query head with its key/value head."""
+    query_heads, key_heads = query.shape[1], key.shape[1]
+    # The mesh of the specs, in full: a conservative bound for head sharding on any of its dims.
+    return query_heads == key_heads or key_heads % key.mesh.size() == 0
+
+
 def _attention_strategies(
-    num_outputs: int, num_attention_tensors: int, mask: Any | None
+    num_outputs: int, num_attention_tensors: int, mask: Any | None, query: Any, key: Any
 ) -> list[tuple[list[Placement], list[Placement]]]:
     """All Replicate, and one strategy per independent dim sharding every tensor on it."""
     mask_count = 0 if mask is None else 1
     strategies = [([Replicate()] * num_outputs, [Replicate()] * (num_attention_tensors + mask_count))]
-    for dim in _INDEPENDENT_DIMS:
+    dims = _INDEPENDENT_DIMS if _heads_shard_evenly(query, key) else (0,)
+    for dim in dims:
         inputs: list[Placement] = [Shard(dim)] * num_attention_tensors
         if mask is not None:
             inputs.append(_shard_unless_broadcast(mask, dim))
@@ -73,7 +82,7 @@ def sdpa_flash_for_cpu_strategy(
         out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)
         assert out.placements == q.placements
     """
-    return _attention_strategies(num_outputs=2, num_attention_tensors=3, mask=attn_mask)
+    return _attention_strategies(2, 3, attn_mask, query, key)
 
 
 @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
@@ -97,7 +106,7 @@ def sdpa_flash_for_cpu_backward_strategy(
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, logsumexp, 0.0, True)
     """
-    return _attention_strategies(num_outputs=3, num_attention_tensors=6, mask=attn_mask)
+    return _attention_strategies(3, 6, attn_mask, query, key)
 
 
 @register_sharding(aten._scaled_dot_product_attention_math.default)
@@ -123,4 +132,4 @@ def sdpa_math_strategy(
     if dropout_mask is not None:
         # A dropout mask drawn for the full tensor cannot be split consistently here.
         return [([Replicate()] * 2, [Replicate()] * (4 if attn_mask is None else 5))]
-    return _attention_strategies(num_outputs=2, num_attention_tensors=3, mask=attn_mask)
+    return _attention_strategies(2, 3, attn_mask, query, key)

@@ -44,7 +44,9 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.head_dim = config.n_embd // config.n_head
         self.q_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.k_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        # No key bias: it adds the same q.b to every score of a row, which softmax cancels, so its
+        # gradient is identically zero (Whisper drops it for the same reason).
+        self.k_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.v_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout

@@ -21,14 +21,14 @@ __all__ = ["TINY_HF_MODELS", "build_tiny_hf_model", "tiny_batch", "tiny_hf_confi
 
 TINY_HF_MODELS = ("llama", "mistral", "gpt2", "mixtral")
 
-# 4 query heads and 4 key/value heads would hide grouped-query attention; 4 and 2 keep it
-# visible while both stay divisible by a tensor-parallel degree of 2 (and 4 for the queries).
+# Equal query and key/value head counts would hide grouped-query attention; 8 and 4 keep it
+# visible while both stay divisible by a tensor-parallel degree of 2 and 4.
 _DECODER_SIZES = dict(
     vocab_size=64,
     hidden_size=32,
     intermediate_size=64,
     num_hidden_layers=2,
-    num_attention_heads=4,
+    num_attention_heads=8,
     max_position_embeddings=64,
     initializer_range=0.02,
     attn_implementation="sdpa",
@@ -36,7 +36,7 @@ _DECODER_SIZES = dict(
 )
 
 
-def tiny_hf_config(name: str, num_key_value_heads: int = 2):
+def tiny_hf_config(name: str, num_key_value_heads: int = 4):
     """A tiny ``transformers`` config for ``name`` in :data:`TINY_HF_MODELS`.
 
     Example::
@@ -74,10 +74,17 @@ def tiny_hf_config(name: str, num_key_value_heads: int = 2):
             attn_implementation="sdpa",
             tie_word_embeddings=False,
         )
-    raise ValueError(f"unknown tiny model {name!r}; choose one of {TINY_HF_MODELS}")
+    if name in transformers.CONFIG_MAPPING:
+        # Any other decoder-only architecture, by its model type ("qwen2", "gemma2", ...).
+        return transformers.AutoConfig.for_model(
+            name, num_key_value_heads=num_key_value_heads, head_dim=4, **_DECODER_SIZES
+        )
+    raise ValueError(
+        f"unknown tiny model {name!r}; choose one of {TINY_HF_MODELS} or a transformers model type"
+    )
 
 
-def build_tiny_hf_model(name: str, seed: int = 0, num_key_value_heads: int = 2) -> nn.Module:
+def build_tiny_hf_model(name: str, seed: int = 0, num_key_value_heads: int = 4) -> nn.Module:
     """Build the tiny ``transformers`` causal-LM ``name`` with weights drawn from ``seed``.
 
     Example::
@@ -93,9 +100,18 @@ def build_tiny_hf_model(name: str, seed: int = 0, num_key_value_heads: int = 2) 
         "mistral": transformers.MistralForCausalLM,
         "mixtral": transformers.MixtralForCausalLM,
         "gpt2": transformers.GPT2LMHeadModel,
-    }[name]
+    }.get(name)
     torch.manual_seed(seed)
-    model = model_class(config)
+    if model_class is not None:
+        model = model_class(config)
+    else:
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            # Architectures without an SDPA path (Gemma-2's logit soft-capping) run eager attention.
+            config._attn_implementation = "eager"
+            torch.manual_seed(seed)
+            model = transformers.AutoModelForCausalLM.from_config(config)
     # Drop-out-free by config, but train() keeps the training code paths (no KV cache reuse).
     model.train()
     return model

@@ -6,8 +6,9 @@ DTensor must shard. Parameters the plan does not shard become Replicate DTensors
 root module gets :func:`~vescale.dtensor.implicit_replication.implicit_replication_scope`
 for the plain tensors its forward creates. The vocabulary is sharded at both ends: the
 embedding table by rows, the LM head's logits by columns (the loss then sees
-``Shard(-1)`` logits). GPT-2's ``Conv1D`` stores weights as (in, out) and its fused
-``c_attn`` is sharded plainly by output column: the q/k/v split then redistributes.
+``Shard(-1)`` logits, which :mod:`vescale.dtensor.ops.loss` never gathers). GPT-2's
+``Conv1D`` stores weights as (in, out); its fused ``c_attn`` (q|k|v) and Mixtral's
+``gate_up_proj`` (gate|up) are ``InterleavedShard``, so splitting them into parts is local.
 
 Example::
 
@@ -23,17 +24,19 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from vescale.dtensor.implicit_replication import ImplicitReplicationHandle, implicit_replication_scope
+from vescale.dtensor.placements import InterleavedShard, distribute_tensor
 from vescale.dtensor.testing.models.nanogpt import NanoGPT, NanoGPTConfig
 
 __all__ = ["TEST_MODELS", "apply_tensor_parallel", "build_test_model", "model_loss", "tensor_parallel_plan"]
@@ -42,7 +45,7 @@ TEST_MODELS = ("llama", "mistral", "nanogpt", "mixtral", "gpt2")
 
 
 def build_test_model(name: str, seed: int = 0) -> nn.Module:
-    """One of :data:`TEST_MODELS`, tiny, float32, weights drawn from ``seed``.
+    """One of :data:`TEST_MODELS` or a ``transformers`` model type, tiny, float32, from ``seed``.
 
     Example::
 
@@ -93,24 +96,27 @@ def _llama_family_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
             output_layouts=activation, use_local_output=False
         )
     if sequence_parallel:
-        for norm in (
-            "model.layers.*.input_layernorm",
-            "model.layers.*.post_attention_layernorm",
-            "model.norm",
-        ):
+        # Every norm on the residual stream (Gemma-2 has four per layer), not q_norm/k_norm.
+        for norm in ("model.layers.*.*layernorm", "model.norm"):
             plan[norm] = SequenceParallel(use_local_output=False)
     return plan
 
 
 def _mixtral_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    activation = Shard(1) if sequence_parallel else Replicate()
     plan = {
         name: style for name, style in _llama_family_plan(sequence_parallel).items() if ".mlp." not in name
     }
-    if sequence_parallel:
-        # Routing runs on the whole sequence, replicated; the experts' weights are sharded.
-        plan["model.layers.*.mlp"] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False
-        )
+    # Routing runs on every token, replicated; the experts' weights are sharded by feature, so
+    # the block's output is a Partial sum that goes back to the residual stream's layout.
+    plan["model.layers.*.mlp"] = PrepareModuleInputOutput(
+        input_layouts=(activation,),
+        desired_input_layouts=(Replicate(),),
+        output_layouts=(Partial(),),
+        desired_output_layouts=(activation,),
+        use_local_input=False,
+        use_local_output=False,
+    )
     return plan
 
 
@@ -177,8 +183,10 @@ class ParallelOutputAsShard(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def shard_output(module: nn.Module, args: tuple, output: torch.Tensor) -> DTensor:
-            replicated = DTensor.from_local(output, device_mesh, [Replicate()], run_check=False)
-            return replicated.redistribute(device_mesh, [Shard(self.dim)])
+            # Replicated parameters already give a Replicate DTensor; a plain output is the same.
+            if not isinstance(output, DTensor):
+                output = DTensor.from_local(output, device_mesh, [Replicate()], run_check=False)
+            return output.redistribute(device_mesh, [Shard(self.dim)])
 
         module.register_forward_hook(shard_output)
         return module
@@ -208,16 +216,23 @@ _PLANS: dict[str, Callable[[bool], dict[str, ParallelStyle]]] = {
     "gpt2": _gpt2_plan,
 }
 
-# Parameters sharded directly by tensor dim, for layers no ParallelStyle fits:
-# Mixtral's 3-D expert weights (expert, out, in) and GPT-2's Conv1D weights (in, out).
-_PARAMETER_SHARDING: dict[str, dict[str, int]] = {
-    "mixtral": {"mlp.experts.gate_up_proj": 1, "mlp.experts.down_proj": 2},
-    "gpt2": {"attn.c_attn.weight": 1, "attn.c_attn.bias": 0, "mlp.c_fc.weight": 1, "mlp.c_fc.bias": 0},
+# Parameters placed directly, for layers no ParallelStyle fits: Mixtral's 3-D expert weights
+# (expert, out, in), whose gate_up_proj is gate|up, and GPT-2's Conv1D weights (in, out),
+# whose c_attn is q|k|v: the fused ones are interleaved so that the split into parts is local.
+_PARAMETER_PLACEMENTS: dict[str, dict[str, Placement | InterleavedShard]] = {
+    "mixtral": {"mlp.experts.gate_up_proj": InterleavedShard(1, 2), "mlp.experts.down_proj": Shard(2)},
+    "gpt2": {
+        "attn.c_attn.weight": InterleavedShard(1, 3),
+        "attn.c_attn.bias": InterleavedShard(0, 3),
+        "mlp.c_fc.weight": Shard(1),
+        "mlp.c_fc.bias": Shard(0),
+        "attn.c_proj.weight": Shard(0),
+        "mlp.c_proj.weight": Shard(0),
+    },
     "llama": {},
     "mistral": {},
     "nanogpt": {},
 }
-_GPT2_ROW_SHARDED = {"attn.c_proj.weight": 0, "mlp.c_proj.weight": 0}
 
 
 def tensor_parallel_plan(name: str, sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -228,9 +243,8 @@ def tensor_parallel_plan(name: str, sequence_parallel: bool) -> dict[str, Parall
         plan = tensor_parallel_plan("llama", sequence_parallel=False)
         assert "model.layers.*.self_attn.q_proj" in plan
     """
-    if name not in _PLANS:
-        raise ValueError(f"no tensor-parallel plan for {name!r}; choose one of {TEST_MODELS}")
-    return _PLANS[name](sequence_parallel)
+    # Other transformers decoders name their layers as Llama does (model.layers.N.self_attn.q_proj).
+    return _PLANS.get(name, _llama_family_plan)(sequence_parallel)
 
 
 def apply_tensor_parallel(
@@ -244,18 +258,20 @@ def apply_tensor_parallel(
         loss = model_loss(model, "mistral", input_ids, labels)
     """
     parallelize_module(model, mesh, tensor_parallel_plan(name, sequence_parallel))
-    dim_by_suffix = dict(_PARAMETER_SHARDING[name])
-    if name == "gpt2":
-        dim_by_suffix.update(_GPT2_ROW_SHARDED)
+    placement_by_suffix = _PARAMETER_PLACEMENTS.get(name, {})
     for module_name, module in model.named_modules():
         for parameter_name, parameter in list(module.named_parameters(recurse=False)):
             if isinstance(parameter, DTensor):
                 continue
             full_name = f"{module_name}.{parameter_name}"
-            shard_dim = next(
-                (dim for suffix, dim in dim_by_suffix.items() if full_name.endswith(suffix)), None
+            placement = next(
+                (
+                    placement
+                    for suffix, placement in placement_by_suffix.items()
+                    if full_name.endswith(suffix)
+                ),
+                Replicate(),
             )
-            placement = Replicate() if shard_dim is None else Shard(shard_dim)
             distributed = distribute_tensor(parameter.detach(), mesh, [placement])
             module.register_parameter(parameter_name, nn.Parameter(distributed, parameter.requires_grad))
     return implicit_replication_scope(model)

@@ -1,0 +1,140 @@
+"""Plain tensors made inside a scoped module's forward act as Replicate; outside, mixing raises.
+
+Outputs are compared bitwise with the same module run on plain tensors in one process: a
+Replicate operand leaves every element's arithmetic unchanged, and the sharded input only
+splits the rows. The weight's gradient sums over the rows, per rank and then across ranks,
+a different order of float32 additions: within 1e-6 relative.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from vescale.dtensor.implicit_replication import ImplicitReplicationError, implicit_replication_scope
+from vescale.dtensor.testing import run_on_ranks
+
+MIXED_ERROR = "mixed torch.Tensor and DTensor"
+
+
+class PlainTensorsInForward(nn.Module):
+    """A forward that creates what real models create: a position table from a factory call,
+    a causal mask, position ids and a buffer, each meeting the (sharded) input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 4), persistent=False)
+        self.weight = nn.Parameter(torch.linspace(-1.0, 1.0, 16).view(4, 4))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        seq_len = hidden.shape[1]
+        position_ids = torch.arange(seq_len)
+        rotary = torch.cos(position_ids[:, None] * torch.ones(4))
+        mask = torch.ones(seq_len, seq_len).tril()
+        mixed = (hidden * rotary + self.scale) @ self.weight
+        return mask @ mixed
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = PlainTensorsInForward()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Plain tensors after the inner module returned: still inside the outer scope.
+        return self.inner(hidden) + torch.ones(hidden.shape[-1])
+
+
+class Failing(nn.Module):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise ValueError("forward failed")
+
+
+def _input() -> torch.Tensor:
+    return torch.arange(2 * 6 * 4, dtype=torch.float32).view(2, 6, 4) / 10
+
+
+def _mixing_raises(dtensor: DTensor) -> bool:
+    try:
+        dtensor * torch.ones(dtensor.shape)
+    except RuntimeError as error:
+        return MIXED_ERROR in str(error)
+    return False
+
+
+def _mesh():
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def scoped_forward_on_ranks():
+    mesh = _mesh()
+    module = PlainTensorsInForward()
+    module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Replicate()]))
+    hidden = distribute_tensor(_input(), mesh, [Shard(0)])
+    raised_before = _mixing_raises(hidden)
+    handle = implicit_replication_scope(module)
+    out = module(hidden)
+    out.sum().backward()
+    raised_after = _mixing_raises(hidden)
+    handle.remove()
+    removed_raises = False
+    try:
+        module(hidden)
+    except RuntimeError as error:
+        removed_raises = MIXED_ERROR in str(error)
+    return {
+        "placements": out.placements,
+        "out": out.full_tensor(),
+        "weight_grad": module.weight.grad.full_tensor(),
+        "raised_before": raised_before,
+        "raised_after": raised_after,
+        "removed_raises": removed_raises,
+    }
+
+
+def test_plain_tensors_in_scoped_forward_are_replicate_and_only_there():
+    reference = PlainTensorsInForward()
+    expected = reference(_input())
+    expected.sum().backward()
+    result = run_on_ranks(scoped_forward_on_ranks, 2)[0]
+    assert result["placements"] == (Shard(0),)
+    assert torch.equal(result["out"], expected.detach())
+    grad_error = (result["weight_grad"] - reference.weight.grad).abs().max()
+    assert grad_error <= 1e-6 * reference.weight.grad.abs().max()
+    assert result["raised_before"] and result["raised_after"], "mixing outside the scope must raise"
+    assert result["removed_raises"], "after handle.remove() the forward must raise again"
+
+
+def nested_and_failing_scopes_on_ranks():
+    mesh = _mesh()
+    outer = Outer()
+    hidden = distribute_tensor(_input(), mesh, [Shard(0)])
+    outer_handle = implicit_replication_scope(outer)
+    inner_handle = implicit_replication_scope(outer.inner)
+    out = outer(hidden)
+    after_nested = _mixing_raises(hidden)
+    failing = Failing()
+    implicit_replication_scope(failing)
+    with pytest.raises(ValueError, match="forward failed"):
+        failing(hidden)
+    after_exception = _mixing_raises(hidden)
+    outer_handle.remove()
+    inner_handle.remove()
+    return out.full_tensor(), after_nested, after_exception
+
+
+def test_scopes_nest_and_are_restored_after_an_exception():
+    expected = Outer()(_input()).detach()
+    out, after_nested, after_exception = run_on_ranks(nested_and_failing_scopes_on_ranks, 2)[0]
+    assert torch.equal(out, expected)
+    assert after_nested, "the outer scope must end with the outer forward"
+    assert after_exception, "a forward that raised must still close its scope"
+
+
+def test_scope_of_a_non_module_is_a_typed_error_naming_the_fix():
+    with pytest.raises(ImplicitReplicationError, match=r"expects an nn\.Module, got function"):
+        implicit_replication_scope(lambda hidden: hidden)

@@ -165,3 +165,40 @@ def test_errors_name_the_problem_and_leave_the_module_untouched():
     assert "the module is parallelized already" in messages["twice"]
     notes = messages["forward_notes"]
     assert len(notes) == 1 and notes[0].startswith(f"{NOTE_PREFIX} '1' (Linear) with inputs 0: (2, 4) [R, R]")
+
+
+def deferred_llama_against_eager(tp: int) -> dict:
+    from vescale.dmodule import auto_sharding_plan, deferred_init
+    from vescale.dtensor.testing.models.tiny_hf import tiny_batch, tiny_hf_config
+
+    transformers = pytest.importorskip("transformers")
+    config = tiny_hf_config("llama")
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config)
+    torch.manual_seed(0)
+    model = deferred_init(transformers.LlamaForCausalLM, config)
+    parallelize_module(model, init_mesh(tp=tp), auto_sharding_plan(model))
+    input_ids, labels = tiny_batch(config.vocab_size)
+    loss = model(input_ids=input_ids, labels=labels).loss
+    reference_loss = reference(input_ids=input_ids, labels=labels).loss
+    loss.backward()
+    reference_loss.backward()
+    reference_parameters = dict(reference.named_parameters())
+    return {
+        "bitwise_weights": all(
+            torch.equal(parameter.full_tensor(), reference_parameters[name])
+            for name, parameter in model.named_parameters()
+        ),
+        "local_rows": model.model.layers[0].mlp.up_proj.weight.to_local().shape[0],
+        "rows": config.intermediate_size,
+        "loss_error": relative_error(loss, reference_loss),
+        "grad_errors": gradient_errors(model, reference),
+    }
+
+
+def test_deferred_model_is_materialised_as_shards_equal_to_eager_construction():
+    for result in run_on_ranks(deferred_llama_against_eager, world_size=2, args=(2,)):
+        assert result["bitwise_weights"]
+        assert result["local_rows"] == result["rows"] // 2
+        assert result["loss_error"] <= LOSS_RTOL
+        assert max(result["grad_errors"].values()) <= GRAD_RTOL

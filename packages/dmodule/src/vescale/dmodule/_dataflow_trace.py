@@ -287,11 +287,12 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
         flows = [self._flow(tensor) for tensor in tensors]
         if not any(flow.features or flow.normalises for flow in flows):
             return
-        outputs = (
-            [output]
-            if isinstance(output, torch.Tensor)
-            else [o for o in output or () if isinstance(o, torch.Tensor)]
-        )
+        if isinstance(output, torch.Tensor):
+            outputs = [output]
+        elif isinstance(output, list | tuple):
+            outputs = [item for item in output if isinstance(item, torch.Tensor)]
+        else:
+            return  # a device, a size, a number: no features to carry
         first = tensors[0]
         if func in _ROUTING or func in _LOG_SOFTMAX:
             self._mark_whole_feature_readers(func, args, first)

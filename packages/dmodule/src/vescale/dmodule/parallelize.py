@@ -6,7 +6,9 @@ Steps, all decided before anything changes so that a bad plan leaves the module 
    placement must be possible for its tensor);
 2. every parameter becomes a DTensor on the whole mesh: the plan's placements on the
    plan's mesh dim, Replicate on every other dim (and for parameters the plan does not
-   name). Tied parameters stay one parameter. Values come from rank 0's module;
+   name). Tied parameters stay one parameter. Values come from rank 0's module, or, for a
+   module built with ``deferred_init``, from replaying its initialisation: each rank then
+   allocates only its shards;
 3. forward hooks put the inputs and outputs the plan names into their placements;
 4. plain tensors created inside the module's forward count as Replicate
    (:func:`vescale.dtensor.implicit_replication.implicit_replication_scope`);
@@ -37,6 +39,7 @@ from vescale.dmodule._forward_hooks import register_forward_placement_hooks
 from vescale.dmodule.debug import name_failing_modules
 from vescale.dmodule.errors import DModuleError
 from vescale.dmodule.sharding_plan import ResolvedShardingPlan, ShardingPlan
+from vescale.dtensor.deferred import is_deferred, materialize_module
 from vescale.dtensor.grad_sync import GradSync, attach_grad_sync
 from vescale.dtensor.implicit_replication import ImplicitReplicationHandle, implicit_replication_scope
 from vescale.dtensor.placements import distribute_tensor
@@ -97,8 +100,8 @@ def _check_parallelizable(module: nn.Module) -> None:
             )
         if parameter.is_meta:
             raise DModuleError(
-                f"parameter {fqn!r} is on the meta device (no values); materialise the module first, or "
-                "build it with vescale.dmodule.deferred_init"
+                f"parameter {fqn!r} is on the meta device (no values); build the module with "
+                "vescale.dmodule.deferred_init instead, so that parallelize_module can materialise it"
             )
 
 
@@ -141,9 +144,21 @@ def parallelize_module(
     _check_parallelizable(module)
     mesh_dim_index = _mesh_dim_index(device_mesh, mesh_dim)
     resolved = plan.resolve(module, mesh_shape=tuple(device_mesh.shape), mesh_dim=mesh_dim_index)
-    slots = _distributed_parameters(module, device_mesh, resolved)
-    for owner, name, parameter in slots:
-        owner._parameters[name] = parameter
+    if any(is_deferred(tensor) for tensor in [*module.parameters(), *module.buffers()]):
+        # Each rank allocates only its final shards, with the values eager construction gives.
+        replicate_everywhere = (Replicate(),) * device_mesh.ndim
+        parameter_fqns = {fqn for fqn, _ in module.named_parameters(remove_duplicate=False)}
+
+        def placements_for(fqn: str) -> tuple[DeviceMesh, tuple] | None:
+            if fqn not in parameter_fqns:
+                return None  # buffers stay plain tensors, identical on every rank
+            sharding = resolved.parameters.get(fqn)
+            return device_mesh, sharding.placements if sharding is not None else replicate_everywhere
+
+        materialize_module(module, placements_for)
+    else:
+        for owner, name, parameter in _distributed_parameters(module, device_mesh, resolved):
+            owner._parameters[name] = parameter
 
     modules = dict(module.named_modules())
     hook_handles = []

@@ -134,6 +134,24 @@ def dtensor_sharding_propagator() -> Any:
 
 
 # --- random numbers (vescale.dtensor.random) ----------------------------------------------
+# DTensor's random factories (torch.distributed.tensor.rand/randn) draw their local shard
+# inside ``_rng_tracker._distribute_region(spec)`` of the private module-level tracker; that
+# tracker is the only hook on them. DTensor reads its ``distribute_region_enabled`` flag and
+# calls ``_distribute_region(spec, generator=...)`` as a context manager.
+
+
+def dtensor_rng_tracker() -> Any:
+    """The RNG tracker DTensor's random ops and factories use now, or ``None``."""
+    return _private_attribute("torch.distributed.tensor._random", "_rng_tracker", None)
+
+
+def set_dtensor_rng_tracker(tracker: Any) -> None:
+    """Make ``tracker`` DTensor's (it needs ``distribute_region_enabled`` and ``_distribute_region``)."""
+    dtensor_rng_tracker()
+    importlib.import_module("torch.distributed.tensor._random")._rng_tracker = tracker
+
+
+__all__ += ["dtensor_rng_tracker", "set_dtensor_rng_tracker"]
 
 
 # --- communication accounting (vescale.dtensor.comm) --------------------------------------
@@ -144,6 +162,8 @@ def dtensor_sharding_propagator() -> Any:
 
 FUNCTIONAL_COLLECTIVE_NAMESPACE = "_c10d_functional"
 C10D_COLLECTIVE_NAMESPACE = "c10d"
+# DTensor's own ops (``torch.ops._dtensor.shard_dim_alltoall``, the NCCL all-to-all).
+DTENSOR_OP_NAMESPACE = "_dtensor"
 
 
 def torch_dispatch_mode_class() -> type:
@@ -177,6 +197,62 @@ def strided_shard_type() -> type:
             f"{torch.__version__}; update vescale/dtensor/_compat.py for this release."
         )
     return strided_shard
+
+
+# Shard(i) -> Shard(j): DTensor's redistribution calls the private method
+# Shard._to_new_shard_dim(local_tensor, mesh, mesh_dim, current_logical_shape, new_shard_dim),
+# which on a CPU mesh all-gathers the tensor; vescale.dtensor.redistribute swaps in an
+# all-to-all. PyTorch's own version stays reachable for the meshes it keeps (non-CPU, and
+# LocalTensorMode, PyTorch's single-process simulation of ranks).
+
+SHARD_TO_NEW_SHARD_DIM_PARAMETERS = (
+    "self",
+    "local_tensor",
+    "mesh",
+    "mesh_dim",
+    "current_logical_shape",
+    "new_shard_dim",
+)
+_original_shard_to_new_shard_dim: Any = None
+
+
+def original_shard_to_new_shard_dim() -> Any:
+    """PyTorch's own ``Shard._to_new_shard_dim`` (as it was before any replacement)."""
+    if _original_shard_to_new_shard_dim is not None:
+        return _original_shard_to_new_shard_dim
+    shard_class = _private_attribute("torch.distributed.tensor.placement_types", "Shard", type)
+    method = getattr(shard_class, "_to_new_shard_dim", None)
+    code = getattr(method, "__code__", None)
+    parameters = code.co_varnames[: code.co_argcount] if code is not None else ()
+    if parameters != SHARD_TO_NEW_SHARD_DIM_PARAMETERS:
+        raise PrivateTorchAPIError(
+            "torch.distributed.tensor.placement_types.Shard._to_new_shard_dim is missing or takes "
+            f"{parameters} in torch {torch.__version__}, expected {SHARD_TO_NEW_SHARD_DIM_PARAMETERS}; "
+            "update vescale/dtensor/_compat.py and vescale/dtensor/redistribute.py for this release."
+        )
+    return method
+
+
+def set_shard_to_new_shard_dim(replacement: Any) -> None:
+    """Make ``Shard._to_new_shard_dim`` be ``replacement`` (idempotent; the original is kept)."""
+    global _original_shard_to_new_shard_dim
+    original = original_shard_to_new_shard_dim()
+    _original_shard_to_new_shard_dim = original
+    shard_class = _private_attribute("torch.distributed.tensor.placement_types", "Shard", type)
+    shard_class._to_new_shard_dim = replacement
+
+
+def local_tensor_mode_active() -> bool:
+    """Whether PyTorch's ``LocalTensorMode`` (ranks simulated in one process) is active."""
+    return _private_attribute("torch.distributed._local_tensor", "local_tensor_mode", None)() is not None
+
+
+__all__ += [
+    "SHARD_TO_NEW_SHARD_DIM_PARAMETERS",
+    "local_tensor_mode_active",
+    "original_shard_to_new_shard_dim",
+    "set_shard_to_new_shard_dim",
+]
 
 
 # --- operator coverage and implicit replication (vescale.dtensor.ops) ---------------------
@@ -219,6 +295,27 @@ def set_dtensor_implicit_replication(enabled: bool) -> None:
     _op_dispatcher()._allow_implicit_replication = enabled
 
 
+def dtensor_op_strategy(op: Any) -> Any:
+    """The strategy function DTensor registered for ``op`` (``OpSchema -> StrategyType``)."""
+    strategies = dtensor_strategy_registries()["op_strategy_funcs"]
+    if op not in strategies:
+        raise PrivateTorchAPIError(
+            f"DTensor has no strategy function for {op} in torch {torch.__version__}; "
+            "update vescale/dtensor/_compat.py for this release."
+        )
+    return strategies[op]
+
+
+def set_dtensor_op_strategy(op: Any, strategy: Any) -> None:
+    """Make ``strategy`` DTensor's strategy function for ``op``, keeping its schema info.
+
+    DTensor's strategies for view ops raise where their copying twins redistribute; wrapping
+    the registered function is the only way to change that without a per-call handler.
+    """
+    dtensor_op_strategy(op)
+    dtensor_strategy_registries()["op_strategy_funcs"][op] = strategy
+
+
 def queue_autograd_engine_callback(callback: Any) -> None:
     """Run ``callback()`` when the backward pass now executing finishes (call during backward)."""
     engine = getattr(torch.autograd.Variable, "_execution_engine", None)
@@ -232,13 +329,79 @@ def queue_autograd_engine_callback(callback: Any) -> None:
 
 __all__ += [
     "C10D_COLLECTIVE_NAMESPACE",
+    "DTENSOR_OP_NAMESPACE",
     "FUNCTIONAL_COLLECTIVE_NAMESPACE",
     "current_autograd_node",
     "dtensor_implicit_replication_enabled",
+    "dtensor_op_strategy",
     "dtensor_strategy_registries",
     "queue_autograd_engine_callback",
     "resolve_process_group",
     "set_dtensor_implicit_replication",
+    "set_dtensor_op_strategy",
     "strided_shard_type",
     "torch_dispatch_mode_class",
+]
+
+
+# --- deferred initialisation (vescale.dtensor.deferred) -----------------------------------
+# Deferred construction runs a module's constructor on fake tensors (meta storage, but they
+# report the real device, so nn.init's `if tensor.is_meta: return` shortcuts are not taken)
+# under a recording dispatch mode. FakeTensorMode, its data-dependent exceptions and the way
+# to step outside every active dispatch mode (to draw real random numbers mid-recording)
+# are private; so are an op's schema (which arguments it writes) and a storage's identity.
+
+
+def fake_tensor_mode_class() -> type:
+    """``torch._subclasses.fake_tensor.FakeTensorMode``: tensors with shapes but no data."""
+    return _private_attribute("torch._subclasses.fake_tensor", "FakeTensorMode", type)
+
+
+def fake_tensor_class() -> type:
+    """``torch._subclasses.fake_tensor.FakeTensor``, the tensor type FakeTensorMode creates."""
+    return _private_attribute("torch._subclasses.fake_tensor", "FakeTensor", type)
+
+
+def fake_tensor_data_dependent_errors() -> tuple[type, ...]:
+    """The exceptions FakeTensorMode raises for ops whose result depends on tensor values."""
+    return tuple(
+        _private_attribute("torch._subclasses.fake_tensor", name, type)
+        for name in ("DataDependentOutputException", "DynamicOutputShapeException")
+    )
+
+
+def disable_dispatch_modes() -> Any:
+    """A context manager under which no TorchDispatchMode (fake or recording) is active."""
+    return _private_attribute("torch.utils._python_dispatch", "_disable_current_modes", None)()
+
+
+def op_schema(op: Any) -> Any:
+    """The ``torch.FunctionSchema`` of an ``OpOverload`` (its arguments and their alias info)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or not hasattr(schema, "arguments"):
+        raise PrivateTorchAPIError(
+            f"{op!r} has no _schema.arguments in torch {torch.__version__}; "
+            "update vescale/dtensor/_compat.py for this release."
+        )
+    return schema
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """An id of ``tensor``'s storage, equal for every view of it (valid while the storage lives)."""
+    storage = tensor.untyped_storage()
+    if not hasattr(storage, "_cdata"):
+        raise PrivateTorchAPIError(
+            f"torch.UntypedStorage has no _cdata in torch {torch.__version__}; "
+            "update vescale/dtensor/_compat.py for this release."
+        )
+    return storage._cdata
+
+
+__all__ += [
+    "disable_dispatch_modes",
+    "fake_tensor_class",
+    "fake_tensor_data_dependent_errors",
+    "fake_tensor_mode_class",
+    "op_schema",
+    "storage_key",
 ]

@@ -33,12 +33,13 @@ from vescale.dtensor._op_handlers import OpHandler, dispatch_previous, register_
 __all__ = ["INTERLEAVED_OPS", "register_interleaved_ops"]
 
 aten = torch.ops.aten
+# Resolved once: the handlers below run on every split/cat of a DTensor.
+_STRIDED_SHARD = _compat.strided_shard_type()
 
 
 def _parts_on(placement: Placement, dim: int, ndim: int) -> int | None:
     """How many whole parts of tensor dim ``dim`` a placement cuts: 1 for Shard, k for strided."""
-    strided_shard = _compat.strided_shard_type()
-    if isinstance(placement, strided_shard) and placement.dim % ndim == dim:
+    if isinstance(placement, _STRIDED_SHARD) and placement.dim % ndim == dim:
         return int(placement.split_factor)
     if isinstance(placement, Shard) and placement.dim % ndim == dim:
         return 1
@@ -59,7 +60,7 @@ def _sole_sharding_mesh_dim(dtensor: DTensor, dim: int) -> tuple[int, int] | Non
 
 def _with_parts(placements: Sequence[Placement], mesh_dim: int, dim: int, parts: int) -> list[Placement]:
     with_parts = list(placements)
-    with_parts[mesh_dim] = Shard(dim) if parts == 1 else _compat.strided_shard_type()(dim, split_factor=parts)
+    with_parts[mesh_dim] = Shard(dim) if parts == 1 else _STRIDED_SHARD(dim, split_factor=parts)
     return with_parts
 
 

@@ -32,6 +32,15 @@ OpHandler = Callable[[Any, tuple, dict], object]
 
 _default_dispatch_lock = threading.RLock()
 _previous_handlers: dict[Any, OpHandler | None] = {}
+# DTensor's handler table is one dict for the life of the process; resolved once, off the hot path.
+_handler_table: dict[Any, OpHandler] | None = None
+
+
+def _handlers() -> dict[Any, OpHandler]:
+    global _handler_table
+    if _handler_table is None:
+        _handler_table = _compat.dtensor_custom_op_handlers()
+    return _handler_table
 
 
 def dispatch_previous(op_call: Any, args: tuple, kwargs: dict) -> object:
@@ -44,7 +53,7 @@ def dispatch_previous(op_call: Any, args: tuple, kwargs: dict) -> object:
     previous = _previous_handlers.get(op_call)
     if previous is not None:
         return previous(op_call, args, kwargs)
-    handlers = _compat.dtensor_custom_op_handlers()
+    handlers = _handlers()
     with _default_dispatch_lock:
         own_handler = handlers.pop(op_call, None)
         try:
@@ -61,7 +70,7 @@ def register_op_handlers(op_handlers: Mapping[Any, OpHandler]) -> None:
 
         register_op_handlers({torch.ops.aten.cat.default: cat_handler})
     """
-    handlers = _compat.dtensor_custom_op_handlers()
+    handlers = _handlers()
     for op, handler in op_handlers.items():
         if handlers.get(op) is not handler:
             _previous_handlers[op] = handlers.get(op)

@@ -12,7 +12,7 @@ Example::
         model(input_ids).logits.sum().backward()
 """
 
-from vescale.dtensor.ops import attention, concat, elementwise, grouped_mm, loss, views
+from vescale.dtensor.ops import attention, concat, elementwise, grouped_mm, loss, scalars, views
 from vescale.dtensor.ops.coverage import OpCoverageRecorder, OpCoverageReport, has_sharding_strategy, op_name
 
 __all__ = [
@@ -25,5 +25,6 @@ __all__ = [
     "has_sharding_strategy",
     "loss",
     "op_name",
+    "scalars",
     "views",
 ]

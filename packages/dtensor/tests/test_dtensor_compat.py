@@ -51,3 +51,66 @@ def test_dtensor_op_dispatcher_extension_points_exist_with_their_types():
     assert torch.ops.aten.native_dropout.default in _compat.dtensor_random_ops()
     propagator = _compat.dtensor_sharding_propagator()
     assert torch.ops.aten.mm.default in propagator.op_strategy_funcs
+
+
+def test_communication_accounting_accessors_exist():
+    assert issubclass(_compat.torch_dispatch_mode_class(), object)
+    assert _compat.current_autograd_node() is None  # outside backward
+    for namespace in (
+        _compat.FUNCTIONAL_COLLECTIVE_NAMESPACE,
+        _compat.C10D_COLLECTIVE_NAMESPACE,
+        _compat.DTENSOR_OP_NAMESPACE,
+    ):
+        assert hasattr(torch.ops, namespace), namespace
+    assert hasattr(torch.ops._dtensor, "shard_dim_alltoall")
+    assert callable(getattr(torch.distributed.distributed_c10d, "_resolve_process_group", None))
+
+
+def test_shard_to_new_shard_dim_has_the_signature_redistribute_replaces():
+    import vescale.dtensor.redistribute  # noqa: F401  (installs the replacement)
+
+    original = _compat.original_shard_to_new_shard_dim()
+    code = original.__code__
+    assert code.co_varnames[: code.co_argcount] == _compat.SHARD_TO_NEW_SHARD_DIM_PARAMETERS
+    assert original.__module__ == "torch.distributed.tensor.placement_types"
+    assert _compat.local_tensor_mode_active() is False
+
+
+# --- deferred initialisation --------------------------------------------------------------
+
+
+def test_deferred_init_private_apis_exist_and_behave():
+    fake_mode = _compat.fake_tensor_mode_class()(allow_non_fake_inputs=True)
+    with fake_mode:
+        fake = torch.empty(3, 4)
+        view = fake[1]
+        assert isinstance(fake, _compat.fake_tensor_class())
+        assert not fake.is_meta and fake.untyped_storage().device.type == "meta"
+        with _compat.disable_dispatch_modes():
+            assert not isinstance(torch.empty(1), _compat.fake_tensor_class())
+        assert _compat.storage_key(view) == _compat.storage_key(fake)
+        assert _compat.storage_key(torch.empty(1)) != _compat.storage_key(fake)
+        for error in _compat.fake_tensor_data_dependent_errors():
+            assert issubclass(error, Exception)
+    written = [
+        argument.name
+        for argument in _compat.op_schema(torch.ops.aten.normal_.default).arguments
+        if argument.alias_info is not None and argument.alias_info.is_write
+    ]
+    assert written == ["self"]
+
+
+def test_dtensor_op_strategy_can_be_read_and_replaced():
+    view = torch.ops.aten.view.default
+    registered = _compat.dtensor_op_strategy(view)
+    assert callable(registered)
+    assert _compat.dtensor_sharding_propagator().op_strategy_funcs[view] is registered
+
+    def replacement(op_schema):
+        return registered(op_schema)
+
+    try:
+        _compat.set_dtensor_op_strategy(view, replacement)
+        assert _compat.dtensor_op_strategy(view) is replacement
+    finally:
+        _compat.set_dtensor_op_strategy(view, registered)

@@ -3,7 +3,9 @@
 One :class:`CollectiveCall` per collective a rank issues, and :class:`CollectiveTotals`
 summed per (collective, mesh dim). Bytes follow :func:`bytes_moved`, the bandwidth-optimal
 (ring) algorithm's bytes per rank; every call also keeps its raw shapes, so a reader can
-apply another convention.
+apply another convention. The sizes are those of the tensors the collective really moved:
+where DTensor pads an uneven shard before an all-gather or reduce-scatter, the padding
+counts; veScale's Shard(i) -> Shard(j) all-to-all sends the exact pieces, unpadded.
 
 Example::
 

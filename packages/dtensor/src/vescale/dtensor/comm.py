@@ -113,6 +113,10 @@ _PARSERS: dict[tuple[str, str], Callable[[tuple, Any], _Issued]] = {
     (_FUNCTIONAL, "all_to_all_single"): lambda a, r: _Issued(
         "all_to_all", a[3], [a[0]], _result_tensors(r), input_splits=a[2], output_splits=a[1]
     ),
+    # DTensor's Shard(i) -> Shard(j) on NCCL: one op whose all-to-all this mode cannot see inside.
+    (_compat.DTENSOR_OP_NAMESPACE, "shard_dim_alltoall"): lambda a, r: _Issued(
+        "all_to_all", a[3], [a[0]], _result_tensors(r)
+    ),
     (_FUNCTIONAL, "broadcast"): lambda a, r: _Issued(
         "broadcast", a[2], [a[0]], _result_tensors(r), peer=a[1]
     ),
@@ -197,8 +201,9 @@ class CommCounter(_compat.torch_dispatch_mode_class()):
 
     ``mesh`` names the dims calls are attributed to; without it every call counts under
     ``"world"`` or ``"other"``. Entering starts from zero; counters nest, each counting
-    every call made inside it. Enter a :class:`vescale.dtensor.debug.DTensorDebugMode`
-    inside (after) a counter, not outside it, so that it still sees DTensor ops.
+    every call made inside it; :meth:`reset` starts over. Enter a
+    :class:`vescale.dtensor.debug.DTensorOpLogger` inside (after) a counter, not outside
+    it, so that the counter still sees the collectives of the ops the logger runs.
 
     Example::
 
@@ -216,18 +221,29 @@ class CommCounter(_compat.torch_dispatch_mode_class()):
         self._groups = _GroupTable(None)
 
     def __enter__(self) -> CommCounter:
-        with self._lock:
-            self._calls.clear()
-            self._in_flight.clear()
+        self.reset()
         self._groups = _GroupTable(self.mesh)
         super().__enter__()
         return self
 
+    def reset(self) -> None:
+        """Forget every call recorded so far; counting goes on if the context is open.
+
+        Example::
+
+            with CommCounter(mesh) as counter:
+                warm_up(); counter.reset(); step()   # counts only the step
+        """
+        with self._lock:
+            self._calls.clear()
+            self._in_flight.clear()
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        # Tensor subclasses (DTensor, AsyncCollectiveTensor) must desugar first: their
-        # collectives and waits then come back through this mode as plain-tensor ops.
-        if getattr(func, "namespace", None) != "higher_order" and any(t is not torch.Tensor for t in types):
+        # Wrapper subclasses (DTensor, AsyncCollectiveTensor) must desugar first: their
+        # collectives and waits then come back through this mode as plain-tensor ops. Other
+        # subclasses (FakeTensor, in DTensor's sharding propagation) run as they are.
+        if any(hasattr(tensor_type, "__tensor_flatten__") for tensor_type in types):
             return NotImplemented
         op_key = _op_key(func) if hasattr(func, "name") else ("", "")
         if op_key == (_FUNCTIONAL, "wait_tensor"):
@@ -291,6 +307,8 @@ class CommCounter(_compat.torch_dispatch_mode_class()):
                 phase=phase,
                 start_ns=start_ns,
                 issued_ns=issued_ns,
+                # DTensor's own all-to-all op waits before it returns.
+                completed_ns=issued_ns if func.namespace == _compat.DTENSOR_OP_NAMESPACE else None,
             )
             self._calls.append(call)
             if func.namespace == _FUNCTIONAL:

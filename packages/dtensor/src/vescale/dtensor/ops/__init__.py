@@ -1,4 +1,5 @@
-"""veScale's DTensor sharding strategies, one module per op family; importing registers them.
+"""veScale's DTensor sharding strategies, one module per op family; importing registers them
+(and installs the all-to-all redistribution of :mod:`vescale.dtensor.redistribute`).
 
 Everything here extends stock PyTorch through ``register_sharding`` (public) or, where a
 strategy needs more, through :mod:`vescale.dtensor._compat`. :mod:`.coverage` reports
@@ -12,6 +13,8 @@ Example::
         model(input_ids).logits.sum().backward()
 """
 
+# Shard(i) -> Shard(j) as one all-to-all on every backend is part of the same completion of DTensor.
+import vescale.dtensor.redistribute  # noqa: F401
 from vescale.dtensor.ops import attention, concat, elementwise, grouped_mm, loss, scalars, views
 from vescale.dtensor.ops.coverage import OpCoverageRecorder, OpCoverageReport, has_sharding_strategy, op_name
 

@@ -90,13 +90,21 @@ def _dispatch_cases(mesh) -> dict:
     }
 
 
-def dispatch_costs_on_ranks(with_vescale: bool) -> dict[str, float | str]:
+def dispatch_costs_on_ranks(layer: str) -> dict[str, float | str]:
+    """``layer``: "stock" (no vescale op module ever loaded), "vescale", or "vescale+IS" (a
+    model with fused weights: InterleavedShard in use, so the part-wise split/cat handlers are on)."""
+    import sys
+
     from torch.distributed.device_mesh import init_device_mesh
 
-    if with_vescale:
+    if layer == "stock":
+        assert "vescale.dtensor.ops" not in sys.modules, "the stock group must never load vescale's ops"
+    else:
         for module in ("vescale.dtensor.ops", "vescale.dtensor.placements", "vescale.dtensor.random"):
             importlib.import_module(module)
         importlib.import_module("vescale.dtensor.random").manual_seed(0)
+    if layer == "vescale+IS":
+        importlib.import_module("vescale.dtensor.placements").InterleavedShard(0, 3).to_torch()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     costs: dict[str, float | str] = {}
     for name, call in _dispatch_cases(mesh).items():
@@ -121,9 +129,11 @@ def main() -> None:
 
     dropout = _slowest_rank(run_on_ranks(dropout_costs_on_ranks, 4, args=(options.shape, options.repeats)))
     shutdown_rank_pool()  # the stock group must start from processes that never loaded vescale's ops
-    stock = run_on_ranks(dispatch_costs_on_ranks, 2, args=(False,))
+    stock = run_on_ranks(dispatch_costs_on_ranks, 2, args=("stock",))
     shutdown_rank_pool()
-    vescale = run_on_ranks(dispatch_costs_on_ranks, 2, args=(True,))
+    vescale = run_on_ranks(dispatch_costs_on_ranks, 2, args=("vescale",))
+    shutdown_rank_pool()
+    fused = run_on_ranks(dispatch_costs_on_ranks, 2, args=("vescale+IS",))
     shutdown_rank_pool()
 
     baseline = dropout["plain F.dropout of the local shard"]
@@ -136,15 +146,19 @@ def main() -> None:
         print(f"{name:44} {seconds * 1e3:9.1f} {seconds / baseline:8.2f}")
     print()
     print(f"(b) eager dispatch per call on 2 ranks (best block of {DISPATCH_CALLS} calls, slowest rank)")
-    print(f"{'op':40} {'stock us':>10} {'vescale us':>11} {'ratio':>6}")
+    print(f"{'op':40} {'stock us':>10} {'vescale us':>11} {'ratio':>6} {'vescale+IS us':>14} {'ratio':>6}")
     for name in stock[0]:
         stock_cost = [result[name] for result in stock]
         vescale_cost = [result[name] for result in vescale]
-        if all(isinstance(cost, float) for cost in stock_cost + vescale_cost):
-            before, after = max(stock_cost), max(vescale_cost)
-            print(f"{name:40} {before * 1e6:10.1f} {after * 1e6:11.1f} {after / before:6.2f}")
+        fused_cost = [result[name] for result in fused]
+        if all(isinstance(cost, float) for cost in stock_cost + vescale_cost + fused_cost):
+            before, after, after_fused = max(stock_cost), max(vescale_cost), max(fused_cost)
+            print(
+                f"{name:40} {before * 1e6:10.1f} {after * 1e6:11.1f} {after / before:6.2f} "
+                f"{after_fused * 1e6:14.1f} {after_fused / before:6.2f}"
+            )
         else:
-            print(f"{name:40} {stock_cost[0]!s:>10} {vescale_cost[0]!s:>11}")
+            print(f"{name:40} {stock_cost[0]!s:>10} {vescale_cost[0]!s:>11} {fused_cost[0]!s:>14}")
     ratios = [
         max(r[name] for r in vescale) / max(r[name] for r in stock)
         for name in stock[0]

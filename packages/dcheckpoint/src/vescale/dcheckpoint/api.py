@@ -1,0 +1,129 @@
+"""``save`` and ``load``: the public entry points of ``vescale.dcheckpoint``.
+
+Example::
+
+    state = {"model": model, "optimizer": optimizer, "lr_scheduler": scheduler, "rng": RNGState()}
+    save("ckpt/step-000100", state, keep_last=3)
+    load("ckpt", state)   # the checkpoint ckpt/latest names, resharded to this run's layout
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from vescale.dcheckpoint import atomic
+from vescale.dcheckpoint._collectives import rank_and_world_size
+from vescale.dcheckpoint.async_save import AsyncSave, start_async_save, wait_for_pending_save
+from vescale.dcheckpoint.errors import CheckpointFormatError, CheckpointMismatchError, CheckpointUsageError
+from vescale.dcheckpoint.index import INDEX_NAME, CheckpointIndex, parse_index
+from vescale.dcheckpoint.layout import TensorLayout
+from vescale.dcheckpoint.reader import ReadStats, ShardReader
+from vescale.dcheckpoint.rng import RNGState
+from vescale.dcheckpoint.saving import SaveResult, stage_save, write_and_commit
+from vescale.dcheckpoint.state import plan_restore
+
+__all__ = ["AsyncSave", "LoadResult", "SaveResult", "load", "read_index", "save"]
+
+logger = logging.getLogger("vescale.dcheckpoint")
+
+# An index larger than this is refused before it is read into memory.
+MAX_INDEX_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """Which checkpoint was loaded and what this rank read (:class:`ReadStats`)."""
+
+    path: Path
+    stats: ReadStats
+
+
+def save(
+    path: str | os.PathLike, state: dict[str, Any], *, async_save: bool = False, keep_last: int | None = None
+) -> SaveResult | AsyncSave:
+    """Save ``state`` to the new checkpoint directory ``path``, atomically, from every rank.
+
+    Every rank calls it with the same structure of state. The parent directory gets a
+    ``latest`` pointer; ``keep_last=k`` deletes all but the k newest checkpoints there.
+    With ``async_save=True`` it returns an :class:`AsyncSave` once this rank's tensors are
+    copied; later changes to the state do not reach the checkpoint.
+
+    Example::
+
+        save("ckpt/step-000100", {"model": model, "optimizer": optimizer, "step": 100})
+        pending = save("ckpt/step-000200", {"model": model, "step": 200}, async_save=True, keep_last=2)
+    """
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise CheckpointUsageError(
+            f"keep_last={keep_last!r}: keep at least the checkpoint just saved (keep_last >= 1), or pass None"
+        )
+    wait_for_pending_save()
+    staged = stage_save(Path(path), state, keep_last, copy=async_save)
+    if async_save:
+        return start_async_save(staged)
+    return write_and_commit(staged)
+
+
+def read_index(directory: Path) -> CheckpointIndex:
+    """Parse and validate the index of the checkpoint directory ``directory``.
+
+    Example::
+
+        index = read_index(Path("ckpt/step-000100"))
+        index.tensors["model/fc.weight"].shape
+    """
+    path = directory / INDEX_NAME
+    if path.stat().st_size > MAX_INDEX_BYTES:
+        raise CheckpointFormatError(
+            f"{str(path)!r} is larger than {MAX_INDEX_BYTES} bytes; it is not an index"
+        )
+    return parse_index(path.read_bytes(), str(path))
+
+
+def _restore_rng(index: CheckpointIndex, rank: int, world_size: int) -> None:
+    if not index.rng:
+        raise CheckpointMismatchError('the checkpoint holds no rng states; remove "rng" from the state')
+    if len(index.rng) != world_size:
+        logger.warning(
+            "rng states were saved by %d ranks, loading on %d: rank %d gets rank %d's states",
+            len(index.rng),
+            world_size,
+            rank,
+            rank % len(index.rng),
+        )
+    RNGState.restore(index.rng[rank % len(index.rng)])
+
+
+def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True) -> LoadResult:
+    """Load a checkpoint into ``state`` in place, resharding every tensor to its current layout.
+
+    ``path`` is a checkpoint directory or its parent (then ``latest`` names the checkpoint).
+    With ``strict`` (the default), keys missing on either side are an error.
+
+    Example::
+
+        state = {"model": model, "optimizer": optimizer}
+        result = load("ckpt", state)
+        result.stats.bytes_read / result.stats.bytes_needed
+    """
+    wait_for_pending_save()
+    directory = atomic.resolve_checkpoint(Path(path))
+    index = read_index(directory)
+    restore = plan_restore(state, index, strict)
+    rank, world_size = rank_and_world_size()
+    with ShardReader(directory, index) as reader, torch.no_grad():
+        for name, target in restore.targets.items():
+            layout = TensorLayout.of(target, world_size, name)
+            local = target.to_local() if isinstance(target, DTensor) else target
+            reader.read_into(index.tensors[name], local, layout.local_boxes(rank))
+    restore.apply()
+    if restore.restore_rng:
+        _restore_rng(index, rank, world_size)
+    return LoadResult(directory, reader.stats)

@@ -1,0 +1,217 @@
+"""Where each rank's piece of a tensor lies in the global tensor: boxes and their overlaps.
+
+A placement on a mesh dim cuts the current local extent of one tensor dim the way
+``torch.chunk`` does (``Shard``), or cuts it into ``k`` equal parts and ``torch.chunk``s each
+(``InterleavedShard``), so a rank's extent along each tensor dim is a list of global
+intervals in local order. The local tensor is their cartesian product: one *box* (global
+offsets and sizes, plus where it sits in the local tensor) per combination. Saving and
+loading only ever exchange boxes, which is what makes any layout load into any other.
+
+Example::
+
+    layout = TensorLayout.of(dtensor, world_size=4)
+    for local_box in layout.local_boxes(rank=1):
+        print(local_box.box.offsets, local_box.box.sizes, local_box.local_offsets)
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from vescale.dcheckpoint.errors import CheckpointFormatError
+from vescale.dtensor.placements import (
+    InterleavedShard,
+    PlacementError,
+    placement_from_string,
+    placement_to_string,
+    to_vescale_placements,
+)
+
+__all__ = ["Box", "LocalBox", "TensorLayout"]
+
+Interval = tuple[int, int]  # (global start, length)
+
+
+@dataclass(frozen=True)
+class Box:
+    """A rectangular region of a global tensor: ``offsets`` and ``sizes`` per tensor dim."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Number of elements in the region."""
+        count = 1
+        for size in self.sizes:
+            count *= size
+        return count
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common region of two boxes, or ``None`` when they do not overlap."""
+        starts = [max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True)]
+        ends = [
+            min(a + la, b + lb)
+            for a, la, b, lb in zip(self.offsets, self.sizes, other.offsets, other.sizes, strict=True)
+        ]
+        if any(start >= end for start, end in zip(starts, ends, strict=True)):
+            return None
+        return Box(tuple(starts), tuple(end - start for start, end in zip(starts, ends, strict=True)))
+
+
+@dataclass(frozen=True)
+class LocalBox:
+    """A box of the global tensor and the offsets at which a rank's local tensor holds it."""
+
+    box: Box
+    local_offsets: tuple[int, ...]
+
+
+# DeviceMesh.mesh rebuilds its rank tensor on every access; a save touches it once per tensor.
+_MESH_DESCRIPTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _mesh_description(mesh: DeviceMesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if mesh not in _MESH_DESCRIPTIONS:
+        ranks = mesh.mesh
+        _MESH_DESCRIPTIONS[mesh] = (tuple(ranks.shape), tuple(ranks.flatten().tolist()))
+    return _MESH_DESCRIPTIONS[mesh]
+
+
+def _chunk_range(total: int, num_chunks: int, index: int) -> Interval:
+    # torch.chunk: chunks of ceil(total / n); trailing indices may get nothing.
+    chunk = -(-total // num_chunks)
+    start = min(index * chunk, total)
+    return start, min(start + chunk, total) - start
+
+
+def _select(intervals: list[Interval], start: int, length: int) -> list[Interval]:
+    """The global intervals covering positions ``[start, start + length)`` of their concatenation."""
+    selected, position = [], 0
+    for global_start, interval_length in intervals:
+        low, high = max(start, position), min(start + length, position + interval_length)
+        if low < high:
+            selected.append((global_start + low - position, high - low))
+        position += interval_length
+    return selected
+
+
+def _merge(intervals: list[Interval]) -> list[Interval]:
+    merged: list[Interval] = []
+    for start, length in intervals:
+        if merged and merged[-1][0] + merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], merged[-1][1] + length)
+        elif length:
+            merged.append((start, length))
+    return merged
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """A tensor's global shape and how a mesh of ranks holds it (placements as short strings).
+
+    A plain tensor is a ``Replicate`` on a 1-D mesh of every rank.
+    """
+
+    shape: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    mesh_ranks: tuple[int, ...]
+    placements: tuple[str, ...]
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, world_size: int, name: str = "tensor") -> TensorLayout:
+        """The layout of a DTensor or of a plain tensor every rank holds a copy of."""
+        if not isinstance(tensor, DTensor):
+            return cls(tuple(tensor.shape), (world_size,), tuple(range(world_size)), ("R",))
+        mesh = tensor.device_mesh
+        texts = tuple(placement_to_string(p) for p in to_vescale_placements(tensor))
+        if any(text.startswith("P") for text in texts):
+            raise CheckpointFormatError(
+                f"{name!r} has a Partial placement {texts}: its local tensors are not its values. "
+                "Redistribute it to Replicate (or Shard) before saving"
+            )
+        mesh_shape, mesh_ranks = _mesh_description(mesh)
+        layout = cls(tuple(tensor.shape), mesh_shape, mesh_ranks, texts)
+        local_shape = tuple(tensor.to_local().shape)
+        coordinate = layout.coordinates().get(dist.get_rank()) if dist.is_initialized() else None
+        try:
+            intervals = layout._intervals(coordinate) if coordinate is not None else ()
+        except CheckpointFormatError as error:
+            raise CheckpointFormatError(f"{name!r}: {error}") from None
+        expected = tuple(sum(length for _, length in dim) for dim in intervals)
+        if coordinate is not None and local_shape != expected:
+            raise CheckpointFormatError(
+                f"{name!r}: the local shard has shape {local_shape} but placements {texts} on mesh "
+                f"{layout.mesh_shape} give {expected}; this placement combination is not supported"
+            )
+        return layout
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 - layouts are small immutable values, shared by many tensors
+    def _intervals(self, coordinate: tuple[int, ...]) -> tuple[tuple[Interval, ...], ...]:
+        intervals: list[list[Interval]] = [[(0, size)] for size in self.shape]
+        sharded_by_interleaved: set[int] = set()
+        sharded: set[int] = set()
+        for text, mesh_size, index in zip(self.placements, self.mesh_shape, coordinate, strict=True):
+            try:
+                placement = placement_from_string(text)
+            except PlacementError as error:
+                raise CheckpointFormatError(str(error)) from None
+            if isinstance(placement, torch.distributed.tensor.Replicate):
+                continue
+            if not isinstance(placement, InterleavedShard | torch.distributed.tensor.Shard):
+                raise CheckpointFormatError(f"placement {text!r} cannot be saved or loaded")
+            dim = placement.dim
+            if not -len(self.shape) <= dim < len(self.shape):
+                raise CheckpointFormatError(f"placement {text!r} names a dim of shape {self.shape}")
+            dim %= len(self.shape)
+            if dim in sharded_by_interleaved or (isinstance(placement, InterleavedShard) and dim in sharded):
+                raise CheckpointFormatError(
+                    f"placements {self.placements} shard tensor dim {dim} twice with an "
+                    "InterleavedShard among them, which checkpoints do not support; shard another dim"
+                )
+            sharded.add(dim)
+            total = sum(length for _, length in intervals[dim])
+            if isinstance(placement, InterleavedShard):
+                sharded_by_interleaved.add(dim)
+                parts = placement.interleaved_size
+                part_length = total // parts
+                start, length = _chunk_range(part_length, mesh_size, index)
+                intervals[dim] = [
+                    piece
+                    for part in range(parts)
+                    for piece in _select(intervals[dim], part * part_length + start, length)
+                ]
+            else:
+                intervals[dim] = _select(intervals[dim], *_chunk_range(total, mesh_size, index))
+        return tuple(tuple(_merge(dim_intervals)) for dim_intervals in intervals)
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - see _intervals
+    def coordinates(self) -> dict[int, tuple[int, ...]]:
+        """Each rank of the mesh and its mesh coordinate."""
+        grid = itertools.product(*(range(size) for size in self.mesh_shape))
+        return dict(zip(self.mesh_ranks, grid, strict=True))
+
+    def local_boxes(self, rank: int) -> list[LocalBox]:
+        """The boxes rank ``rank`` holds, with their offsets in its local tensor (empty if none)."""
+        coordinate = self.coordinates().get(rank)
+        if coordinate is None:
+            return []
+        per_dim = []
+        for dim_intervals in self._intervals(coordinate):
+            local_start, placed = 0, []
+            for start, length in dim_intervals:
+                placed.append((start, length, local_start))
+                local_start += length
+            per_dim.append(placed)
+        return [
+            LocalBox(Box(tuple(p[0] for p in combo), tuple(p[1] for p in combo)), tuple(p[2] for p in combo))
+            for combo in itertools.product(*per_dim)
+        ]

@@ -1,0 +1,194 @@
+"""A user's state dict as named tensors plus JSON, and back into the live objects.
+
+``"model"`` (any ``nn.Module``) contributes ``model/<fqn>`` for every state-dict tensor;
+``"optimizer"`` its per-FQN state (see :mod:`optimizer_state`); ``"rng"`` (an
+:class:`RNGState`) every rank's generators; anything with ``state_dict``/``load_state_dict``
+(``"lr_scheduler"``, ``"data_loader"``) its state dict; anything else must be JSON-able
+(tensors inside are allowed). Non-tensor state is taken from rank 0.
+
+Example::
+
+    tensors, objects = flatten_state({"model": model, "step": 100})
+    restore = plan_restore({"model": model, "step": 0}, index, strict=True)
+    ...   # read restore.targets, then restore.apply()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from vescale.dcheckpoint.errors import CheckpointFormatError, CheckpointMismatchError
+from vescale.dcheckpoint.index import CheckpointIndex
+from vescale.dcheckpoint.objects import decode_object, encode_object
+from vescale.dcheckpoint.optimizer_state import OptimizerRestore, encode_optimizer
+from vescale.dcheckpoint.rng import RNGState
+
+__all__ = ["StateRestore", "flatten_state", "plan_restore"]
+
+MODULE, OPTIMIZER, RNG, STATEFUL, VALUE = "module", "optimizer", "rng", "stateful", "value"
+
+
+def _kind(key: str, value: Any) -> str:
+    if not isinstance(key, str) or not key or "/" in key or "@" in key:
+        raise CheckpointFormatError(f"state key {key!r} must be a non-empty string without '/' or '@'")
+    if isinstance(value, nn.Module):
+        return MODULE
+    if isinstance(value, torch.optim.Optimizer):
+        return OPTIMIZER
+    if isinstance(value, RNGState):
+        return RNG
+    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+        return STATEFUL
+    return VALUE
+
+
+def _model_for(state: Mapping[str, Any], key: str) -> nn.Module:
+    model = state.get("model")
+    if not isinstance(model, nn.Module):
+        raise CheckpointFormatError(
+            f"state[{key!r}] is an optimizer, whose state is keyed by parameter name: put the module it "
+            'optimizes in state["model"]'
+        )
+    return model
+
+
+def flatten_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The named tensors and the JSON objects (``{key: {"kind", "value"}}``) of a state dict.
+
+    Example::
+
+        tensors, objects = flatten_state({"model": nn.Linear(2, 2), "epoch": 3})
+        sorted(tensors)   # ["model/bias", "model/weight"]
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    objects: dict[str, Any] = {}
+    for key, value in state.items():
+        kind = _kind(key, value)
+        if kind == MODULE:
+            for fqn, tensor in value.state_dict().items():
+                tensors[f"{key}/{fqn}"] = tensor
+            encoded = None
+        elif kind == OPTIMIZER:
+            encoded = encode_optimizer(value, _model_for(state, key), tensors, key)
+        elif kind == RNG:
+            encoded = None
+        elif kind == STATEFUL:
+            encoded = encode_object(value.state_dict(), key, tensors)
+        else:
+            encoded = encode_object(value, key, tensors)
+        objects[key] = {"kind": kind, "value": encoded}
+    return tensors, objects
+
+
+@dataclass
+class StateRestore:
+    """Tensors to read (``targets``: name to a live or freshly allocated tensor), then :meth:`apply`."""
+
+    targets: dict[str, torch.Tensor] = field(default_factory=dict)
+    finishers: list[Callable[[], None]] = field(default_factory=list)
+    restore_rng: bool = False
+
+    def apply(self) -> None:
+        """Install what was read into the optimizer, stateful objects and plain values."""
+        for finish in self.finishers:
+            finish()
+
+
+def _names(names: set[str]) -> str:
+    ordered = sorted(names)
+    shown = ", ".join(repr(name) for name in ordered[:5])
+    return shown + (f" and {len(ordered) - 5} more" if len(ordered) > 5 else "")
+
+
+def _restore_module(key: str, module: nn.Module, index: CheckpointIndex, strict: bool, restore: StateRestore):
+    live = {f"{key}/{fqn}": tensor for fqn, tensor in module.state_dict().items()}
+    saved = {name for name in index.tensors if name.startswith(f"{key}/")}
+    missing, unexpected = set(live) - saved, saved - set(live)
+    if strict and (missing or unexpected):
+        raise CheckpointMismatchError(
+            f"state[{key!r}] does not match the checkpoint: missing {_names(missing) or 'none'}; unexpected "
+            f"{_names(unexpected) or 'none'}. Build the model the checkpoint was saved from, or pass "
+            "strict=False"
+        )
+    for name in sorted(set(live) & saved):
+        record, tensor = index.tensors[name], live[name]
+        if record.shape != tuple(tensor.shape) or record.dtype != tensor.dtype:
+            raise CheckpointMismatchError(
+                f"{name!r}: the checkpoint holds {record.dtype} of shape {record.shape}, the model has "
+                f"{tensor.dtype} of shape {tuple(tensor.shape)}; build the model with the saved configuration"
+            )
+        restore.targets[name] = tensor
+
+
+def _plain_targets(key: str, index: CheckpointIndex) -> dict[str, torch.Tensor]:
+    return {
+        name: torch.empty(record.shape, dtype=record.dtype)
+        for name, record in index.tensors.items()
+        if name.startswith(f"{key}/")
+    }
+
+
+def plan_restore(state: MutableMapping[str, Any], index: CheckpointIndex, strict: bool) -> StateRestore:
+    """What to read to load ``index`` into ``state``, checking keys, shapes and dtypes first.
+
+    Example::
+
+        restore = plan_restore({"model": model}, index, strict=True)
+        sorted(restore.targets)   # ["model/bias", "model/weight"]
+    """
+    restore = StateRestore()
+    for key, value in state.items():
+        kind = _kind(key, value)
+        saved = index.objects.get(key)
+        if saved is None:
+            if strict:
+                raise CheckpointMismatchError(
+                    f"the checkpoint has no {key!r} (it holds {_names(set(index.objects)) or 'nothing'}); "
+                    "remove it from the state or pass strict=False"
+                )
+            continue
+        if not isinstance(saved, dict) or saved.get("kind") != kind:
+            saved_kind = saved.get("kind") if isinstance(saved, dict) else None
+            raise CheckpointMismatchError(
+                f"state[{key!r}] is of kind {kind!r} but the checkpoint saved it as kind {saved_kind!r}; "
+                "pass an object of the saved kind"
+            )
+        if kind == MODULE:
+            _restore_module(key, value, index, strict, restore)
+        elif kind == OPTIMIZER:
+            shapes = {n: (r.shape, r.dtype) for n, r in index.tensors.items() if n.startswith(f"{key}/")}
+            optimizer_restore = OptimizerRestore(
+                value, _model_for(state, key), saved.get("value"), shapes, strict, key
+            )
+            restore.targets.update(optimizer_restore.targets)
+            restore.finishers.append(optimizer_restore.apply)
+        elif kind == RNG:
+            restore.restore_rng = True
+        else:
+            targets = _plain_targets(key, index)
+            restore.targets.update(targets)
+            restore.finishers.append(_object_finisher(state, key, value, kind, saved.get("value"), targets))
+    return restore
+
+
+def _object_finisher(
+    state: MutableMapping[str, Any],
+    key: str,
+    value: Any,
+    kind: str,
+    encoded: Any,
+    targets: Mapping[str, torch.Tensor],
+) -> Callable[[], None]:
+    def finish() -> None:
+        decoded = decode_object(encoded, targets, key)
+        if kind == STATEFUL:
+            value.load_state_dict(decoded)
+        else:
+            state[key] = decoded
+
+    return finish

@@ -1,0 +1,224 @@
+"""vescale.dcheckpoint against PyTorch DCP on the same state, in the same run, on gloo ranks.
+
+    .venv/bin/python tools/bench/checkpoint.py                 # 512 MiB in 64 tensors, 4096 x 16 KiB
+    .venv/bin/python tools/bench/checkpoint.py --mib 128 --small-count 1024
+
+Both libraries save the same DTensors (Shard(0) over 2 ranks) into fresh directories under
+``--directory``. Times are wall-clock seconds between barriers (so the slowest rank counts).
+The raw rate is every rank writing its local tensors' bytes to one file and fsyncing it. Read
+amplification loads the 2-rank checkpoint on 4 ranks (dim 0 and dim 1 reshards) and counts
+the bytes each rank read through ``read``/``pread`` system calls (``rchar`` of
+``/proc/self/io``, which also counts the few bytes of gloo traffic), divided by the bytes
+its shards hold; the worst rank is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+
+from vescale.dcheckpoint import load, save
+from vescale.dtensor.placements import distribute_tensor
+from vescale.dtensor.testing import run_on_ranks
+
+
+def _state(count: int, numel: int, placements: list[str]) -> dict[str, torch.Tensor]:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    generator = torch.Generator().manual_seed(0)
+    return {
+        f"t{index:05d}": distribute_tensor(
+            torch.randn(numel // 64, 64, generator=generator), mesh, placements
+        )
+        for index in range(count)
+    }
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name, tensor in tensors.items():
+            self.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+
+
+def _timed(action) -> float:
+    dist.barrier()
+    started = time.perf_counter()
+    action()
+    dist.barrier()
+    return time.perf_counter() - started
+
+
+def _disk_bytes(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
+def _raw_write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    with open(path, "wb") as file:
+        for tensor in tensors.values():
+            file.write(tensor.to_local().contiguous().view(torch.uint8).numpy().data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def save_side_on_ranks(root: str, count: int, numel: int) -> dict[str, float]:
+    root_path = Path(root)
+    tensors = _state(count, numel, ["S(0)"])
+    holder = _Holder(tensors)
+    tensor_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    rank = dist.get_rank()
+    results = {"tensor_bytes": tensor_bytes}
+    results["raw_s"] = _timed(lambda: _raw_write(root_path / f"raw-{rank}.bin", tensors))
+    results["vescale_save_s"] = _timed(lambda: save(root_path / "vescale", {"model": holder}))
+    results["dcp_save_s"] = _timed(lambda: dcp.save(dict(tensors), checkpoint_id=root_path / "dcp"))
+    results["vescale_load_s"] = _timed(lambda: load(root_path / "vescale", {"model": holder}))
+    results["dcp_load_s"] = _timed(lambda: dcp.load(dict(tensors), checkpoint_id=root_path / "dcp"))
+    pending = {}
+    group = dist.new_group(backend="gloo")
+
+    def vescale_async(attempt: int) -> None:
+        pending["vescale"] = save(root_path / f"vescale-async-{attempt}", {"model": holder}, async_save=True)
+
+    def dcp_async(attempt: int) -> None:
+        # DCP's thread runs its collectives on the group it is given: not the default one, which
+        # this (main) thread keeps using, as a training loop would.
+        pending["dcp"] = dcp.async_save(
+            dict(tensors), checkpoint_id=root_path / f"dcp-async-{attempt}", process_group=group
+        )
+
+    # The first async save of a run allocates staging memory; the second is the steady state.
+    for attempt in ("first", "steady"):
+        results[f"vescale_async_{attempt}_s"] = _timed(lambda attempt=attempt: vescale_async(attempt))
+        _timed(lambda: pending["vescale"].result())
+        results[f"dcp_async_{attempt}_s"] = _timed(lambda attempt=attempt: dcp_async(attempt))
+        _timed(lambda: pending["dcp"].result())
+    dist.barrier()
+    if rank == 0:
+        results["vescale_disk"] = _disk_bytes(root_path / "vescale")
+        results["dcp_disk"] = _disk_bytes(root_path / "dcp")
+    return results
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as io_counters:
+        return next(int(line.split()[1]) for line in io_counters if line.startswith("rchar"))
+
+
+def reshard_on_ranks(root: str, count: int, numel: int) -> dict[str, float]:
+    results = {}
+    for placements in (["S(0)"], ["S(1)"]):
+        tensors = _state(count, numel, placements)
+        needed = sum(t.to_local().numel() * t.element_size() for t in tensors.values())
+        for library in ("vescale", "dcp"):
+            before = _rchar()
+            if library == "vescale":
+                load(Path(root) / "vescale", {"model": _Holder(tensors)})
+            else:
+                dcp.load(dict(tensors), checkpoint_id=Path(root) / "dcp")
+            results[f"{library}_{placements[0]}"] = (_rchar() - before) / needed
+    return results
+
+
+def _row(name: str, vescale_value: str, dcp_value: str, goal: str) -> str:
+    return f"| {name} | {vescale_value} | {dcp_value} | {goal} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mib", type=int, default=512, help="size of the large state, in 64 tensors")
+    parser.add_argument("--small-count", type=int, default=4096, help="number of 16 KiB tensors")
+    parser.add_argument("--directory", default=None, help="where to write (default: a temporary directory)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.directory) as scratch:
+        large_root, small_root = Path(scratch) / "large", Path(scratch) / "small"
+        large_root.mkdir()
+        small_root.mkdir()
+        large_numel = args.mib * (1 << 20) // 4 // 64
+        # Every timing spans barriers, so rank 0's times are the slowest rank's; rank 0 also measured disk.
+        large = run_on_ranks(save_side_on_ranks, 2, args=(str(large_root), 64, large_numel), timeout_s=1800)[
+            0
+        ]
+        small_args = (str(small_root), args.small_count, 4096)
+        small = run_on_ranks(save_side_on_ranks, 2, args=small_args, timeout_s=1800)[0]
+        per_rank = run_on_ranks(reshard_on_ranks, 4, args=(str(large_root), 64, large_numel), timeout_s=1800)
+        reshard = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
+    large_bytes = large["tensor_bytes"]
+    raw_rate = large_bytes / large["raw_s"]
+    print(f"2 gloo ranks; large: 64 tensors, {large_bytes >> 20} MiB; small: {args.small_count} x 16 KiB")
+    print(f"raw write+fsync rate in this run: {raw_rate / 2**20:.0f} MiB/s\n")
+    print("| measure | vescale.dcheckpoint | PyTorch DCP | goal |")
+    print("|---|---|---|---|")
+    for library in ("vescale", "dcp"):
+        large[f"{library}_rate"] = large_bytes / large[f"{library}_save_s"] / raw_rate
+    print(
+        _row(
+            "large save (fraction of raw rate)",
+            f"{large['vescale_rate']:.2f}",
+            f"{large['dcp_rate']:.2f}",
+            ">= 0.9",
+        )
+    )
+    print(
+        _row(
+            "large save / load (s)",
+            f"{large['vescale_save_s']:.2f} / {large['vescale_load_s']:.2f}",
+            f"{large['dcp_save_s']:.2f} / {large['dcp_load_s']:.2f}",
+            "",
+        )
+    )
+    print(
+        _row(
+            "small save / load (s)",
+            f"{small['vescale_save_s']:.2f} / {small['vescale_load_s']:.2f}",
+            f"{small['dcp_save_s']:.2f} / {small['dcp_load_s']:.2f}",
+            "<= 0.5 each",
+        )
+    )
+    for name, result, tensor_bytes in (
+        ("large", large, large_bytes),
+        ("small", small, small["tensor_bytes"]),
+    ):
+        overheads = [result.get(f"{library}_disk", 0) / tensor_bytes - 1 for library in ("vescale", "dcp")]
+        print(_row(f"{name} disk overhead", f"{overheads[0]:.2%}", f"{overheads[1]:.2%}", "<= 3%"))
+    for attempt in ("first", "steady"):
+        blocking = [
+            large[f"{library}_async_{attempt}_s"] / large[f"{library}_save_s"]
+            for library in ("vescale", "dcp")
+        ]
+        print(
+            _row(
+                f"async blocking / sync save ({attempt})",
+                f"{blocking[0]:.1%}",
+                f"{blocking[1]:.1%}",
+                "<= 10%",
+            )
+        )
+    print(
+        _row(
+            "reshard 2->4 dim 0: bytes read / needed",
+            f"{reshard['vescale_S(0)']:.3f}",
+            f"{reshard['dcp_S(0)']:.3f}",
+            "<= 1.05",
+        )
+    )
+    print(
+        _row(
+            "reshard 2->4 dim 1: bytes read / needed",
+            f"{reshard['vescale_S(1)']:.3f}",
+            f"{reshard['dcp_S(1)']:.3f}",
+            "<= 1.10",
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

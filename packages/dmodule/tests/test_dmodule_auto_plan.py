@@ -31,30 +31,15 @@ MODELS = ("llama", "mistral", "gpt2", "mixtral", "nanogpt")
 
 
 def _meta_model(name: str, **overrides):
+    from vescale.dtensor.testing.models.tiny_hf import build_tiny_hf_model
     from vescale.dtensor.testing.models.tp_plans import build_test_model
 
     with torch.device("meta"):
-        return build_test_model(name) if not overrides else _held_out(name, **overrides)
-
-
-def _held_out(name: str, **overrides):
-    config_class, model_class = {
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
-        "olmo": (transformers.OlmoConfig, transformers.OlmoForCausalLM),
-    }[name]
-    sizes = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-    )
-    return model_class(config_class(**{**sizes, **overrides}))
+        if not overrides and name in MODELS:
+            return build_test_model(name)
+        # Held-out architectures: 4 query heads of 8 dims, so that fused parts have telling sizes.
+        sizes = {"num_attention_heads": 4, "head_dim": 8, "pad_token_id": 0, **overrides}
+        return build_tiny_hf_model(name, **sizes)
 
 
 def _parameter_plan(plan) -> dict[str, str]:
@@ -99,7 +84,7 @@ def test_mixtral_router_stays_replicated_and_fused_experts_are_interleaved():
 
 
 def test_held_out_architectures_are_planned_from_their_dataflow():
-    qwen3 = _parameter_plan(auto_sharding_plan(_meta_model("qwen3", head_dim=8)))  # q/k norms per head
+    qwen3 = _parameter_plan(auto_sharding_plan(_meta_model("qwen3")))  # q/k norms per head
     assert qwen3[r"model\.layers\.\d+\.self_attn\.q_proj\.weight"] == "S(0)"
     assert qwen3[r"model\.layers\.\d+\.self_attn\.o_proj\.weight"] == "S(1)"
     phi3 = _parameter_plan(auto_sharding_plan(_meta_model("phi3", num_key_value_heads=4)))  # q|k|v sliced

@@ -36,14 +36,23 @@ _DECODER_SIZES = dict(
 )
 
 
-def tiny_hf_config(name: str, num_key_value_heads: int = 4):
-    """A tiny ``transformers`` config for ``name`` in :data:`TINY_HF_MODELS`.
+def tiny_hf_config(name: str, num_key_value_heads: int = 4, **overrides: object):
+    """A tiny ``transformers`` config for ``name`` in :data:`TINY_HF_MODELS` or any model type.
+
+    ``overrides`` replace config fields (``num_attention_heads=4``, ``pad_token_id=0``).
 
     Example::
 
         config = tiny_hf_config("mistral")
         assert config.hidden_size == 32
     """
+    config = _tiny_hf_config(name, num_key_value_heads)
+    for field_name, value in overrides.items():
+        setattr(config, field_name, value)
+    return config
+
+
+def _tiny_hf_config(name: str, num_key_value_heads: int):
     import transformers
 
     if name == "llama":
@@ -84,8 +93,12 @@ def tiny_hf_config(name: str, num_key_value_heads: int = 4):
     )
 
 
-def build_tiny_hf_model(name: str, seed: int = 0, num_key_value_heads: int = 4) -> nn.Module:
+def build_tiny_hf_model(
+    name: str, seed: int = 0, num_key_value_heads: int = 4, **overrides: object
+) -> nn.Module:
     """Build the tiny ``transformers`` causal-LM ``name`` with weights drawn from ``seed``.
+
+    ``overrides`` replace config fields (see :func:`tiny_hf_config`).
 
     Example::
 
@@ -94,7 +107,7 @@ def build_tiny_hf_model(name: str, seed: int = 0, num_key_value_heads: int = 4) 
     """
     import transformers
 
-    config = tiny_hf_config(name, num_key_value_heads)
+    config = tiny_hf_config(name, num_key_value_heads, **overrides)
     model_class = {
         "llama": transformers.LlamaForCausalLM,
         "mistral": transformers.MistralForCausalLM,

@@ -202,3 +202,53 @@ def test_deferred_model_is_materialised_as_shards_equal_to_eager_construction():
         assert result["local_rows"] == result["rows"] // 2
         assert result["loss_error"] <= LOSS_RTOL
         assert max(result["grad_errors"].values()) <= GRAD_RTOL
+
+
+class SharedInputBlock(torch.nn.Module):
+    """Three column projections reading one tensor, summed into a row projection (attention's shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(8, 16) for _ in range(3))
+        self.o = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(x)
+        return self.o(self.q(hidden) * self.k(hidden) + self.v(hidden))
+
+
+def shared_input_collectives() -> dict:
+    from vescale.dtensor.comm import CommCounter
+
+    torch.manual_seed(0)
+    reference = SharedInputBlock()
+    model = copy.deepcopy(reference)
+    x = torch.randn(4, 8)
+    reference_x = x.clone().requires_grad_(True)
+    reference(reference_x).pow(2).sum().backward()
+    plan = {
+        "parameter": {r"[qkv]\.weight": "S(0)", r"[qkv]\.bias": "S(0)", r"o\.weight": "S(1)"},
+        "forward": {"[qkv].input": ["R"], "o.output": ["R"]},
+    }
+    parallelize_module(model, init_mesh(tp=2), plan)
+    parallel_x = x.clone().requires_grad_(True)
+    with CommCounter() as forward:
+        loss = model(parallel_x).pow(2).sum()
+    with CommCounter() as backward:
+        loss.backward()
+    return {
+        "forward_all_reduces": forward.count("all_reduce"),
+        "backward_all_reduces": backward.count("all_reduce"),
+        "x_grad_error": relative_error(parallel_x.grad, reference_x.grad),
+        "grad_errors": gradient_errors(model, reference),
+    }
+
+
+def test_modules_fed_one_tensor_share_one_input_conversion():
+    # Megatron's f operator: q, k and v read one tensor, so its gradient is all-reduced once,
+    # not once per projection; the row output is all-reduced once in forward.
+    for result in run_on_ranks(shared_input_collectives, world_size=2):
+        assert result["forward_all_reduces"] == 1
+        assert result["backward_all_reduces"] == 1
+        assert result["x_grad_error"] <= GRAD_RTOL
+        assert max(result["grad_errors"].values()) <= GRAD_RTOL

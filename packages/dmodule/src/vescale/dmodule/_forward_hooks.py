@@ -8,6 +8,12 @@ Inputs are named by position or by keyword; a name the caller passed by position
 through the signature of the module's ``forward``. Outputs are named by position (a single
 tensor is position 0; tuples and ``ModelOutput``s by index) or by key.
 
+Inputs go through an :class:`InputConversionCache` shared by all hooks of one DModule and
+emptied at each root forward: sibling modules fed the same tensor in the same placements (the
+q, k and v projections reading one normalised hidden state) share one conversion, so its
+backward reduces their summed gradient once, as Megatron's ``f`` operator does, instead of
+once per consumer.
+
 Example::
 
     replicated = ForwardPlacements(args=((Replicate(),),))
@@ -25,12 +31,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
 from vescale.dmodule.errors import DModuleError
 from vescale.dmodule.sharding_plan import ForwardPlacements, TensorPlacements
 from vescale.dtensor.placements import placement_to_string, to_torch_placements
 
-__all__ = ["convert_to_placements", "register_forward_placement_hooks"]
+__all__ = ["InputConversionCache", "convert_to_placements", "register_forward_placement_hooks"]
 
 
 def convert_to_placements(value: Any, mesh: DeviceMesh, placements: TensorPlacements, where: str) -> Any:
@@ -63,6 +70,40 @@ def convert_to_placements(value: Any, mesh: DeviceMesh, placements: TensorPlacem
     return replicated.redistribute(mesh, target)
 
 
+class InputConversionCache:
+    """Conversions of module inputs done in the current forward, by input tensor and target.
+
+    A hit needs the same tensor object, unmodified since (its version counter), on the same mesh
+    with the same target placements. :meth:`clear` runs before and after every root forward, so
+    no conversion outlives the forward (and autograd graph) that made it.
+
+    Example::
+
+        cache = InputConversionCache()
+        q_in = cache.convert(hidden, mesh, ("R",), "q_proj input 0")
+        assert cache.convert(hidden, mesh, ("R",), "k_proj input 0") is q_in
+    """
+
+    def __init__(self) -> None:
+        self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def convert(self, value: Any, mesh: DeviceMesh, placements: TensorPlacements, where: str) -> Any:
+        """``convert_to_placements(value, ...)``, reusing this forward's earlier identical conversion."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        key = (mesh, tuple(to_torch_placements(placements)))
+        by_target = self._entries.setdefault(value, {})
+        version, converted = by_target.get(key, (None, None))
+        if converted is None or version != value._version:
+            converted = convert_to_placements(value, mesh, placements, where)
+            by_target[key] = (value._version, converted)
+        return converted
+
+    def clear(self) -> None:
+        """Forget every conversion (called around each root forward)."""
+        self._entries = WeakIdKeyDictionary()
+
+
 def _positional_index(module: nn.Module, name: str) -> int | None:
     try:
         parameters = list(inspect.signature(module.forward).parameters.values())
@@ -78,24 +119,28 @@ def _positional_index(module: nn.Module, name: str) -> int | None:
 
 
 def _convert_inputs(
-    module: nn.Module, mesh: DeviceMesh, spec: ForwardPlacements, fqn: str, args: tuple, kwargs: dict
+    module: nn.Module,
+    mesh: DeviceMesh,
+    spec: ForwardPlacements,
+    fqn: str,
+    args: tuple,
+    kwargs: dict,
+    cache: InputConversionCache,
 ) -> tuple[tuple, dict]:
     args = list(args)
     for index, placements in enumerate(spec.args):
         if placements is not None and index < len(args):
-            args[index] = convert_to_placements(
-                args[index], mesh, placements, f"{fqn or '<root>'} input {index}"
-            )
+            args[index] = cache.convert(args[index], mesh, placements, f"{fqn or '<root>'} input {index}")
     for name, placements in spec.kwargs:
         if placements is None:
             continue
         where = f"{fqn or '<root>'} input {name!r}"
         if name in kwargs:
-            kwargs[name] = convert_to_placements(kwargs[name], mesh, placements, where)
+            kwargs[name] = cache.convert(kwargs[name], mesh, placements, where)
             continue
         index = _positional_index(module, name)
         if index is not None and index < len(args):
-            args[index] = convert_to_placements(args[index], mesh, placements, where)
+            args[index] = cache.convert(args[index], mesh, placements, where)
     return tuple(args), kwargs
 
 
@@ -133,19 +178,24 @@ def register_forward_placement_hooks(
     inputs: ForwardPlacements | None,
     outputs: ForwardPlacements | None,
     fqn: str,
+    cache: InputConversionCache | None = None,
 ) -> list[RemovableHandle]:
     """Hooks that convert ``module``'s inputs and outputs as the plan says; their handles.
+
+    ``cache`` is shared by the hooks of one DModule (see :class:`InputConversionCache`); without
+    one, each hook converts on its own.
 
     Example::
 
         sharded = ForwardPlacements(args=((Shard(-1),),))
         hooks = register_forward_placement_hooks(lm_head, mesh, inputs=None, outputs=sharded, fqn="lm_head")
     """
+    cache = cache if cache is not None else InputConversionCache()
     handles = []
     if inputs is not None:
 
         def convert_inputs(hooked: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            return _convert_inputs(hooked, mesh, inputs, fqn, args, kwargs)
+            return _convert_inputs(hooked, mesh, inputs, fqn, args, kwargs, cache)
 
         handles.append(module.register_forward_pre_hook(convert_inputs, with_kwargs=True))
     if outputs is not None:

@@ -9,7 +9,8 @@ Steps, all decided before anything changes so that a bad plan leaves the module 
    name). Tied parameters stay one parameter. Values come from rank 0's module, or, for a
    module built with ``deferred_init``, from replaying its initialisation: each rank then
    allocates only its shards;
-3. forward hooks put the inputs and outputs the plan names into their placements;
+3. forward hooks put the inputs and outputs the plan names into their placements (one
+   conversion per input tensor and target per forward, shared by sibling modules);
 4. plain tensors created inside the module's forward count as Replicate
    (:func:`vescale.dtensor.implicit_replication.implicit_replication_scope`);
 5. gradients that arrive Partial (Replicate parameters next to sharded activations) are
@@ -35,7 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.hooks import RemovableHandle
 
 import vescale.dtensor.ops  # noqa: F401  (registers the sharding strategies a model forward needs)
-from vescale.dmodule._forward_hooks import register_forward_placement_hooks
+from vescale.dmodule._forward_hooks import InputConversionCache, register_forward_placement_hooks
 from vescale.dmodule.debug import name_failing_modules
 from vescale.dmodule.errors import DModuleError
 from vescale.dmodule.sharding_plan import ResolvedShardingPlan, ShardingPlan
@@ -161,7 +162,11 @@ def parallelize_module(
             owner._parameters[name] = parameter
 
     modules = dict(module.named_modules())
-    hook_handles = []
+    conversions = InputConversionCache()
+    hook_handles = [
+        module.register_forward_pre_hook(lambda *_: conversions.clear()),
+        module.register_forward_hook(lambda *_: conversions.clear(), always_call=True),
+    ]
     for fqn in dict.fromkeys([*resolved.inputs, *resolved.outputs]):
         hook_handles += register_forward_placement_hooks(
             modules[fqn],
@@ -169,6 +174,7 @@ def parallelize_module(
             inputs=resolved.inputs.get(fqn, (None,))[0],
             outputs=resolved.outputs.get(fqn, (None,))[0],
             fqn=fqn,
+            cache=conversions,
         )
     hook_handles += name_failing_modules(module)
     state = DModuleState(

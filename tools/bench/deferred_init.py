@@ -14,42 +14,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import tempfile
-import threading
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from vescale.dtensor.testing.memory import PeakResident, resident_bytes
+
 GIB = 2**30
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
-
-
-class PeakResident:
-    """The largest resident-set size seen while the block runs."""
-
-    def __enter__(self) -> PeakResident:
-        self.peak = resident_bytes()
-        self._running = True
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while self._running:
-            self.peak = max(self.peak, resident_bytes())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc: object) -> None:
-        self._running = False
-        self._thread.join()
-        self.peak = max(self.peak, resident_bytes())
 
 
 def llama_config(args: argparse.Namespace):

@@ -20,6 +20,10 @@ Step time is fwd + bwd + AdamW step, the two variants alternating step by step (
 machine noise hits both alike), each step bracketed by barriers: the slowest rank's time.
 The median of ``--steps`` steps after ``--warmup`` is reported. Every rank runs one thread.
 
+Memory is the worst rank's peak resident growth during one extra step of each variant, over
+the resident size just before that step (both models live in the same process, so weights and
+optimizer state are left out; what remains is activations, gradients and temporaries).
+
 Communication is counted with :class:`vescale.dtensor.comm.CommCounter` over one extra step.
 Calls are attributed to parts of the model by order of issue: forward hooks on the embedding,
 each block, the final norm and the LM head note the counter's position before and after each
@@ -51,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vescale.dtensor.testing import run_on_ranks, shutdown_rank_pool
+from vescale.dtensor.testing.memory import PeakResident
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +332,7 @@ def benchmark_rank(
                 slowest = torch.tensor([seconds], dtype=torch.float64)
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                 times[name].append(slowest.item())
-    result = {"times": times, "losses": losses}
+    result = {"times": times, "losses": losses, "memory": step_memory(native, ours, batch)}
     result["comm"] = {
         "vescale": attribute_calls(ours, batch, mesh, size),
         "native": attribute_calls(native, batch, mesh, size),
@@ -337,6 +342,22 @@ def benchmark_rank(
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
         result["profile"] = text.getvalue()
     return result
+
+
+def step_memory(native: StepRunner, ours: StepRunner, batch: torch.Tensor) -> dict[str, int]:
+    """Per variant, the worst rank's peak resident growth during one training step (bytes).
+
+    Both models live in this process, so the step's growth is measured over the resident size
+    just before it (activations, gradients and temporaries, not the weights and Adam state).
+    """
+    memory = {}
+    for name, runner in (("native", native), ("vescale", ours)):
+        with PeakResident() as peak:
+            runner.step(batch)
+        worst = torch.tensor([peak.growth], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        memory[name] = int(worst.item())
+    return memory
 
 
 def megatron_block_traffic(size: ModelSize, tp: int, sequence_parallel: bool) -> dict[tuple[str, str], tuple]:
@@ -383,18 +404,26 @@ def report(tp: int, sequence_parallel: bool, size: ModelSize, result: dict) -> b
     label = f"TP={tp}, SP {'on' if sequence_parallel else 'off'}"
     native_ms = statistics.median(result["times"]["native"]) * 1e3
     vescale_ms = statistics.median(result["times"]["vescale"]) * 1e3
-    losses = result["losses"]
+    losses, memory = result["losses"], result["memory"]
     first_error = abs(losses["vescale"][0] - losses["native"][0]) / abs(losses["native"][0])
     max_error = max(abs(a - b) / abs(b) for a, b in zip(losses["vescale"], losses["native"], strict=True))
     print(f"\n### {label}\n")
     print(
         markdown_table(
-            ["native ms", "veScale ms", "ratio (goal <= 1.05)", "step-0 loss rel err", "max loss rel err"],
+            [
+                "native ms",
+                "veScale ms",
+                "ratio (goal <= 1.05)",
+                "step peak MiB native / veScale",
+                "step-0 loss rel err",
+                "max loss rel err",
+            ],
             [
                 [
                     f"{native_ms:.1f}",
                     f"{vescale_ms:.1f}",
                     f"{vescale_ms / native_ms:.3f}",
+                    f"{memory['native'] / 2**20:.1f} / {memory['vescale'] / 2**20:.1f}",
                     f"{first_error:.1e}" + (" ok" if first_error <= 1e-5 else " FAIL"),
                     f"{max_error:.1e}",
                 ]
@@ -430,15 +459,9 @@ def report(tp: int, sequence_parallel: bool, size: ModelSize, result: dict) -> b
         where = ", ".join(
             f"{name} {coll} x{count // size.layers}" for (name, coll), count in per_projection.items()
         )
-        inputs_per_layer = "all-gather" if sequence_parallel else "nothing (Replicate already)"
         print(
             "\nDifference: forward collectives per layer, by the projection whose hooks issued them: "
-            f"{where}. "
-            "veScale's plan redistributes the input of every column projection (q, k, v, gate, up) on its "
-            f"own, i.e. {inputs_per_layer} in forward once per projection, and in backward one "
-            f"{'reduce-scatter' if sequence_parallel else 'all-reduce'} of each projection's input "
-            "gradient: 5 per layer where Megatron does 2 (one per attention / MLP input). The row "
-            "outputs (o, down) match the formula."
+            f"{where}."
         )
     print("\nAll collectives per step by part (calls, bytes sent per rank):\n")
     part_rows = []

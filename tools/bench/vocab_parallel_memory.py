@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vescale.dtensor.testing import run_on_ranks, shutdown_rank_pool
-from vescale.dtensor.testing.memory import PeakResident, resident_bytes
+from vescale.dtensor.testing.memory import PeakResident
 
 MIB = 2**20
 
@@ -59,13 +59,12 @@ def peak_delta(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> 
     """(peak resident delta in bytes, loss) of one forward + backward, after a warm-up step."""
     model(hidden, labels).backward()
     model.zero_grad(set_to_none=True)
-    baseline = resident_bytes()
     with PeakResident() as peak:
         loss = model(hidden, labels)
         loss.backward()
     value = loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()
     model.zero_grad(set_to_none=True)
-    return peak.peak - baseline, value
+    return peak.growth, value
 
 
 def measure_on_rank(tokens: tuple[int, int], hidden_size: int, vocab: int) -> dict:

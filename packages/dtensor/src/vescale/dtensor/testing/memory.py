@@ -2,25 +2,28 @@
 
 Benchmarks report memory as deltas over a baseline taken after imports and set-up, so that
 the interpreter, torch and the test harness do not count. Large CPU tensors are ``mmap``-ed
-by the allocator and returned on free, so the resident set follows live tensor memory; the
-peak is sampled every millisecond by a background thread (tensors alive for less than that
-can be missed, which only makes a peak look smaller).
+by the allocator and returned on free; smaller ones come from malloc's arenas, whose free
+pages :class:`PeakResident` hands back to the system first (glibc's ``malloc_trim``), so that
+reusing them shows as growth too. The resident set then follows live tensor memory; the peak
+is sampled every millisecond by a background thread (tensors alive for less than that can be
+missed, which only makes a peak look smaller).
 
 Example::
 
-    baseline = resident_bytes()
     with PeakResident() as peak:
         model(batch).sum().backward()
-    print((peak.peak - baseline) / 2**20, "MiB")
+    print(peak.growth / 2**20, "MiB")
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
 import threading
 import time
 
-__all__ = ["PeakResident", "resident_bytes"]
+__all__ = ["PeakResident", "release_free_heap", "resident_bytes"]
 
 
 def resident_bytes() -> int:
@@ -29,15 +32,32 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * resource.getpagesize()
 
 
+def release_free_heap() -> None:
+    """Return malloc's free pages to the system (glibc ``malloc_trim``; a no-op elsewhere)."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 class PeakResident:
-    """The largest resident-set size (``.peak``, bytes) seen while the ``with`` block runs."""
+    """The resident-set size at the start (``.start``) and its peak (``.peak``) in a ``with`` block.
+
+    ``.growth`` is ``peak - start``: what the block needed on top of what was live before it.
+    """
 
     def __init__(self, interval_s: float = 0.001) -> None:
         self.interval_s = interval_s
-        self.peak = 0
+        self.start = self.peak = 0
+
+    @property
+    def growth(self) -> int:
+        """Bytes the resident set grew by at its peak, over its size when the block began."""
+        return self.peak - self.start
 
     def __enter__(self) -> PeakResident:
-        self.peak = resident_bytes()
+        release_free_heap()
+        self.start = self.peak = resident_bytes()
         self._running = True
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()

@@ -1,0 +1,99 @@
+"""Constraints: parsing, checks and the messages a user reads (no ranks needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vescale.planner.constraints import CONSTRAINT_KEYS, Constraints
+from vescale.planner.errors import ConstraintError, PlanError
+
+EVERY_KEY = {
+    "data_parallel.size": 2,
+    "tensor_parallel.size": 2,
+    "pipeline_parallel.size": 2,
+    "sequence_parallel": True,
+    "zero.stage": 2,
+    "tensor_parallel.sharding_policy": "megatron",
+    "pipeline_parallel.split_method": "manual",
+    "pipeline_parallel.split_points": ["model.layers.2"],
+    "pipeline_parallel.schedule": "1f1b",
+    "pipeline_parallel.num_microbatches": 4,
+    "memory_per_device_gb": 80.0,
+    "devices_per_node": 8,
+    "global_batch_size": 32,
+    "micro_batch_size": 4,
+    "sequence_length": 2048,
+    "mixed_precision": "bf16",
+    "activation_checkpointing": "selective",
+}
+
+
+def test_every_documented_key_round_trips_through_json():
+    assert set(EVERY_KEY) == set(CONSTRAINT_KEYS)
+    constraints = Constraints.from_dict(EVERY_KEY)
+    assert constraints.zero_stage == 2 and constraints.pipeline_parallel_split_points == ("model.layers.2",)
+    assert Constraints.from_dict(json.loads(json.dumps(constraints.to_dict()))) == constraints
+    assert constraints.to_dict() == EVERY_KEY
+
+
+def test_nested_dicts_read_as_dotted_keys_and_unset_keys_stay_with_the_planner():
+    nested = Constraints.from_dict({"zero": {"stage": 1}, "tensor_parallel": {"size": 4}})
+    assert nested == Constraints.from_dict({"zero.stage": 1, "tensor_parallel.size": 4})
+    assert nested.data_parallel_size is None
+    assert Constraints.from_dict(None) == Constraints()
+
+
+@pytest.mark.parametrize(
+    ("constraints", "message"),
+    [
+        (
+            {"tensor_parallel.sizes": 2},
+            "unknown constraint 'tensor_parallel.sizes'; did you mean 'tensor_parallel.size'?",
+        ),
+        ({"zero.stage": 4}, "zero.stage=4 must be 0, 1, 2 or 3"),
+        ({"tensor_parallel.size": 0}, "tensor_parallel.size=0 must be a positive integer"),
+        ({"global_batch_size": True}, "global_batch_size=True must be a positive integer"),
+        ({"sequence_parallel": "yes"}, "sequence_parallel='yes' must be true or false"),
+        ({"pipeline_parallel.schedule": "1F1B"}, "'1F1B' is not one of ['gpipe', '1f1b'"),
+        ({"pipeline_parallel.split_points": "model.layers.2"}, "must be a list of module FQNs"),
+        ({"memory_per_device_gb": -1}, "memory_per_device_gb=-1 must be a positive number"),
+        ({"pipeline_parallel.split_method": "manual"}, "'manual' needs pipeline_parallel.split_points"),
+        (
+            {"pipeline_parallel.split_method": "uniform", "pipeline_parallel.split_points": ["a"]},
+            "set pipeline_parallel.split_method='manual'",
+        ),
+        (
+            {"pipeline_parallel.size": 4, "pipeline_parallel.split_points": ["a"]},
+            "1 pipeline_parallel.split_points make 2 stages, but pipeline_parallel.size=4",
+        ),
+        (
+            {"pipeline_parallel.size": 1, "pipeline_parallel.schedule": "1f1b"},
+            "pipeline_parallel.size=1 has no",
+        ),
+        ({"sequence_parallel": True, "tensor_parallel.size": 1}, "tensor_parallel.size=1; raise"),
+        ({"tensor_parallel.size": 16, "devices_per_node": 8}, "larger than devices_per_node=8"),
+        ({"global_batch_size": 10, "data_parallel.size": 4, "micro_batch_size": 1}, "does not split over"),
+        ({"global_batch_size": 16, "data_parallel.size": 4, "micro_batch_size": 3}, "per-rank share 4"),
+        ([("zero.stage", 1)], "must be a dict of dotted keys"),
+    ],
+)
+def test_bad_constraints_say_which_key_and_why(constraints, message):
+    with pytest.raises(ConstraintError) as raised:
+        Constraints.from_dict(constraints)
+    assert message in str(raised.value)
+    assert isinstance(raised.value, PlanError) and isinstance(raised.value, ValueError)
+
+
+def test_world_size_check_names_the_sizes():
+    Constraints.from_dict({"tensor_parallel.size": 2}).check_world_size(8)
+    Constraints.from_dict(
+        {"data_parallel.size": 2, "tensor_parallel.size": 2, "pipeline_parallel.size": 2}
+    ).check_world_size(8)
+    with pytest.raises(ConstraintError, match=r"tensor_parallel.size=3 = 3 does not divide the world size 8"):
+        Constraints.from_dict({"tensor_parallel.size": 3}).check_world_size(8)
+    with pytest.raises(ConstraintError, match=r"= 4 devices, but the world size is 8"):
+        Constraints.from_dict(
+            {"data_parallel.size": 1, "tensor_parallel.size": 2, "pipeline_parallel.size": 2}
+        ).check_world_size(8)

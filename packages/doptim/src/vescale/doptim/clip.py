@@ -1,0 +1,118 @@
+"""``clip_grad_norm_``: the single-device global gradient norm over every shard and mesh dim.
+
+Each rank sums the ``p``-th powers of the gradient elements it *owns*, so that every
+element of the single-device gradient is counted exactly once over the whole mesh: a
+piece sharded over a mesh dim (tensor parallel ``Shard``, a ZeRO chunk, FSDP2's dp shard) is
+owned by every rank of that dim; a piece replicated over a dim is owned only by the rank
+at coordinate 0 of it. The sums are then all-reduced over every mesh dim. The gradients
+are scaled as ``torch.nn.utils.clip_grad_norm_`` scales them.
+
+Example::
+
+    total_norm = clip_grad_norm_(optimizer, max_norm=1.0)   # a DistributedOptimizer
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from vescale.doptim.buckets import local_tensor
+from vescale.doptim.ddp import data_parallel_of
+from vescale.doptim.errors import DataParallelConfigError, DataParallelMeshError
+
+__all__ = ["GradPiece", "clip_grad_norm_", "sharded_mesh_dims"]
+
+
+@dataclass
+class GradPiece:
+    """A gradient tensor this rank holds and the mesh dims over which it differs between ranks."""
+
+    grad: torch.Tensor
+    mesh: DeviceMesh | None
+    sharded_dims: frozenset[int]
+
+    def owned(self) -> bool:
+        """Whether this rank counts the piece: it sits at coordinate 0 of every dim it is replicated on."""
+        if self.mesh is None:
+            return True
+        return all(
+            dim in self.sharded_dims or self.mesh.get_local_rank(dim) == 0 for dim in range(self.mesh.ndim)
+        )
+
+
+def sharded_mesh_dims(param: torch.Tensor) -> frozenset[int]:
+    """The mesh dims a DTensor parameter is sharded over (none for a plain tensor)."""
+    if not isinstance(param, DTensor):
+        return frozenset()
+    return frozenset(dim for dim, placement in enumerate(param.placements) if placement.is_shard())
+
+
+def _pieces_of_parameters(parameters: Iterable[torch.Tensor]) -> list[GradPiece]:
+    pieces = []
+    for param in parameters:
+        owner = data_parallel_of(param)
+        if owner is not None and owner.zero_stage == 2:
+            raise DataParallelConfigError(
+                "under ZeRO-2 a parameter keeps no full gradient; pass the DistributedOptimizer: "
+                "clip_grad_norm_(optimizer, max_norm)"
+            )
+        if param.grad is None:
+            continue
+        mesh = owner.device_mesh if owner is not None else getattr(param, "device_mesh", None)
+        pieces.append(GradPiece(local_tensor(param.grad), mesh, sharded_mesh_dims(param)))
+    return pieces
+
+
+def clip_grad_norm_(
+    parameters_or_optimizer: Iterable[torch.Tensor] | torch.optim.Optimizer,
+    max_norm: float,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
+    """Scale the gradients so that their global ``norm_type``-norm is at most ``max_norm``; return the norm.
+
+    Takes a :class:`~vescale.doptim.DistributedOptimizer` (required under ZeRO-2) or parameters.
+
+    Example::
+
+        norm = clip_grad_norm_(optimizer, 1.0)
+        norm = clip_grad_norm_(model.parameters(), 1.0)   # ZeRO 0, 1, 3 or no data parallel
+    """
+    grad_pieces = getattr(parameters_or_optimizer, "grad_pieces", None)
+    if callable(grad_pieces):
+        pieces = grad_pieces()
+    else:
+        parameters = parameters_or_optimizer
+        pieces = _pieces_of_parameters([parameters] if isinstance(parameters, torch.Tensor) else parameters)
+    if not pieces:
+        return torch.tensor(0.0)
+    meshes = {id(piece.mesh): piece.mesh for piece in pieces if piece.mesh is not None}
+    if len(meshes) > 1:
+        raise DataParallelMeshError(
+            f"the gradients live on {len(meshes)} different meshes; clip each model's parameters separately"
+        )
+    norm_type = float(norm_type)
+    owned = [piece.grad for piece in pieces if piece.owned()]
+    zero = torch.zeros((), dtype=torch.float32, device=pieces[0].grad.device)
+    if math.isinf(norm_type):
+        total = torch.stack(
+            [zero, *(grad.detach().abs().max().float() for grad in owned if grad.numel())]
+        ).max()
+    else:
+        total = sum((grad.detach().float().pow(norm_type).sum() for grad in owned), zero)
+    for mesh in meshes.values():
+        for dim in range(mesh.ndim):
+            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+            dist.all_reduce(total, op=op, group=mesh.get_group(dim))
+    total_norm = total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for piece in pieces:
+        piece.grad.detach().mul_(clip_coef.to(piece.grad.dtype))
+    return total_norm

@@ -1,0 +1,123 @@
+"""``data_parallel``: apply one ZeRO stage to a model, before its optimizer is built.
+
+Stages 0-2 attach a :class:`~vescale.doptim.DDP` (bucketed gradient averaging; 2
+reduce-scatters). Stage 3 shards the parameters over the dp mesh dim with PyTorch's FSDP2
+``fully_shard``, one unit per element of every ``nn.ModuleList`` (the transformer blocks of
+a ``transformers`` model) plus the root; parameters that are already DTensors on a dp×tp
+mesh (``vescale.dmodule``) are sharded in place on that mesh (``DataParallelMeshDims``).
+FSDP2 works on CPU/gloo in torch 2.13 (its reduce-scatter included). Then build the
+optimizer and wrap it: ``DistributedOptimizer(optimizer_fn(model))``.
+
+Example::
+
+    model = data_parallel(model, init_mesh(dp=4), zero_stage=2)
+    optimizer = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    model(batch).loss.backward(); optimizer.step(); optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.fsdp
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from vescale.doptim.ddp import DATA_PARALLEL_ATTRIBUTE, DDP, data_parallel_of, dp_mesh_dim_index
+from vescale.doptim.errors import DataParallelConfigError
+
+__all__ = ["ZERO_STAGES", "FullyShardedState", "data_parallel"]
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass
+class FullyShardedState:
+    """What ``data_parallel(..., zero_stage=3)`` did: FSDP2 over ``device_mesh[mesh_dim]``."""
+
+    module: nn.Module
+    device_mesh: DeviceMesh
+    mesh_dim: str
+    zero_stage: int = 3
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's coordinate on the data-parallel mesh dim."""
+        return self.device_mesh.get_local_rank(self.mesh_dim)
+
+    def finish_grad_sync(self) -> None:
+        """FSDP2 reduce-scatters during backward and waits at its end: nothing is left to do."""
+
+
+def _fully_shard_units(model: nn.Module) -> list[nn.Module]:
+    """Every element of every ``nn.ModuleList`` (outermost lists first), then the root."""
+    units: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            units.extend(child for child in module if not any(child is unit for unit in units))
+    return [*units, model]
+
+
+def _apply_zero3(model: nn.Module, device_mesh: DeviceMesh, mesh_dim: str) -> FullyShardedState:
+    on_mesh = any(isinstance(param, DTensor) for param in model.parameters())
+    # Public since torch 2.13; torch 2.11 (which veScale supports too) has no FSDP2 entry point
+    # for parameters that already live on the whole dp x tp mesh.
+    mesh_dims_class = getattr(torch.distributed.fsdp, "DataParallelMeshDims", None)
+    if on_mesh and mesh_dims_class is None:
+        raise DataParallelConfigError(
+            "zero_stage=3 on a model whose parameters are DTensors already (tensor parallel) needs "
+            "torch.distributed.fsdp.DataParallelMeshDims, new in torch 2.13; this is torch "
+            f"{torch.__version__}. Upgrade torch, or use zero_stage<=2 with tensor parallelism"
+        )
+    for unit in _fully_shard_units(model):
+        if on_mesh:
+            fully_shard(unit, mesh=device_mesh, dp_mesh_dims=mesh_dims_class(shard=mesh_dim))
+        else:
+            fully_shard(unit, mesh=device_mesh[mesh_dim])
+    state = FullyShardedState(model, device_mesh, mesh_dim)
+    setattr(model, DATA_PARALLEL_ATTRIBUTE, state)
+    for param in model.parameters():
+        setattr(param, DATA_PARALLEL_ATTRIBUTE, state)
+    return state
+
+
+def data_parallel(
+    model: nn.Module,
+    device_mesh: DeviceMesh,
+    *,
+    zero_stage: int = 0,
+    mesh_dim: str = "dp",
+    **ddp_options: Any,
+) -> nn.Module:
+    """Make ``model`` data parallel over ``device_mesh[mesh_dim]`` at ``zero_stage``, in place; return it.
+
+    ``ddp_options`` go to :class:`~vescale.doptim.DDP` (stages 0-2): ``bucket_size_mb``,
+    ``overlap``, ``grad_dtype``, ``deterministic``.
+
+    Example::
+
+        model = data_parallel(model, init_mesh(dp=2, tp=2), zero_stage=1, deterministic=True)
+        optimizer = DistributedOptimizer(torch.optim.AdamW(model.parameters()))
+    """
+    if zero_stage not in ZERO_STAGES:
+        raise DataParallelConfigError(f"zero_stage must be one of {ZERO_STAGES}, not {zero_stage!r}")
+    if data_parallel_of(model) is not None:
+        raise DataParallelConfigError(
+            "the model is data-parallel already; apply data_parallel once per model"
+        )
+    dp_mesh_dim_index(device_mesh, mesh_dim)
+    if zero_stage < 3:
+        DDP(model, device_mesh, mesh_dim=mesh_dim, zero_stage=zero_stage, **ddp_options)
+        return model
+    if ddp_options.get("deterministic", False) or set(ddp_options) - {"deterministic"}:
+        raise DataParallelConfigError(
+            f"zero_stage=3 runs on FSDP2, which takes none of {sorted(ddp_options)} (its reduce-scatter "
+            "order is the backend's, so deterministic=True is not available there); drop them or use "
+            "zero_stage<=2"
+        )
+    _apply_zero3(model, device_mesh, mesh_dim)
+    return model

@@ -1,0 +1,288 @@
+"""``DDP``: data parallel over one mesh dim with bucketed, overlapped gradient averaging.
+
+Each parameter's gradient is copied into its bucket (or, when the bucket has the
+parameter's dtype, the gradient *is* a view of the bucket from the first step on, so
+autograd accumulates into the bucket in place). The moment the last gradient of a bucket
+arrives during backward, the bucket's averaging over the dp process group starts
+asynchronously (:mod:`vescale.doptim.reduction`); all of them are waited for when the
+backward pass ends. DTensor (tensor-parallel) parameters bucket their local shards: each
+shard is averaged with the same shard on the other dp ranks. A gradient that arrives
+``Partial`` over tp is first redistributed to its parameter's placements (dmodule's grad
+sync would do the same at the end of backward).
+
+The module is changed in place (hooks only: its parameters, forward and FQNs are kept), so
+``optimizer_fn(model)`` after ``DDP(model, mesh)`` sees the same parameters.
+
+Example::
+
+    ddp = DDP(model, init_mesh(dp=4), bucket_size_mb=25)
+    with ddp.no_sync():
+        model(micro_batch_0).loss.backward()      # accumulates locally, no communication
+    model(micro_batch_1).loss.backward()          # buckets averaged over dp during backward
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from vescale.doptim import _compat
+from vescale.doptim.buckets import Bucket, ParamSlot, build_buckets, local_tensor
+from vescale.doptim.errors import DataParallelConfigError, DataParallelMeshError
+from vescale.doptim.reduction import BucketReduction, start_reduction
+
+__all__ = ["DATA_PARALLEL_ATTRIBUTE", "DDP", "data_parallel_of", "dp_mesh_dim_index"]
+
+# The module and each of its parameters carry their DDP under this attribute.
+DATA_PARALLEL_ATTRIBUTE = "_vescale_data_parallel"
+
+
+def dp_mesh_dim_index(device_mesh: DeviceMesh, mesh_dim: str) -> int:
+    """The index of ``mesh_dim`` in ``device_mesh``, or a :class:`DataParallelMeshError` naming its dims."""
+    names = device_mesh.mesh_dim_names or ()
+    if mesh_dim not in names:
+        raise DataParallelMeshError(
+            f"mesh_dim={mesh_dim!r} is not a dimension of the mesh (its dims: {names}); build the mesh with "
+            f"that dim, e.g. init_mesh({mesh_dim}=2, tp=2), or pass one of {names}"
+        )
+    return names.index(mesh_dim)
+
+
+def data_parallel_of(module_or_param: nn.Module | torch.Tensor) -> DDP | None:
+    """The DDP applied to a module, or to the module that owns a parameter; ``None`` if none."""
+    return getattr(module_or_param, DATA_PARALLEL_ATTRIBUTE, None)
+
+
+def _check_parameter_mesh(fqn: str, param: torch.Tensor, device_mesh: DeviceMesh, dp_index: int) -> None:
+    if not isinstance(param, DTensor):
+        return
+    if param.device_mesh != device_mesh:
+        raise DataParallelMeshError(
+            f"parameter {fqn!r} lives on {param.device_mesh}, not on the data-parallel mesh {device_mesh}; "
+            "parallelize the model on the same mesh you give to DDP/data_parallel"
+        )
+    placement = param.placements[dp_index]
+    if not isinstance(placement, Replicate):
+        raise DataParallelMeshError(
+            f"parameter {fqn!r} is {placement} on the data-parallel mesh dim {dp_index}; DDP averages "
+            "gradients of parameters replicated over dp. Shard it over another dim (e.g. 'tp'), or use "
+            "data_parallel(..., zero_stage=3) to shard parameters over dp"
+        )
+
+
+class DDP:
+    """Average a module's gradients over ``device_mesh[mesh_dim]`` in contiguous buckets.
+
+    ``overlap=False`` starts every bucket's reduction when backward ends instead of as soon
+    as the bucket is ready. ``deterministic=True`` sums the ranks' gradients in rank order
+    (bitwise reproducible, see :mod:`vescale.doptim.reduction`). ``zero_stage`` 1 keeps the
+    all-reduce and lets :class:`~vescale.doptim.DistributedOptimizer` shard the optimizer
+    state; 2 reduce-scatters, leaving each rank only its chunk of each bucket
+    (``param.grad`` is then ``None`` after the synchronising backward).
+
+    Example::
+
+        ddp = DDP(model, mesh, mesh_dim="dp", deterministic=True)
+        model(batch).loss.backward()
+        optimizer.step()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_mesh: DeviceMesh,
+        *,
+        mesh_dim: str = "dp",
+        bucket_size_mb: float = 25,
+        overlap: bool = True,
+        grad_dtype: torch.dtype = torch.float32,
+        deterministic: bool = False,
+        zero_stage: int = 0,
+    ) -> None:
+        if zero_stage not in (0, 1, 2):
+            raise DataParallelConfigError(
+                f"DDP takes zero_stage 0, 1 or 2, not {zero_stage!r}; ZeRO-3 shards parameters: use "
+                "vescale.doptim.data_parallel(model, mesh, zero_stage=3)"
+            )
+        if not bucket_size_mb > 0:
+            raise DataParallelConfigError(f"bucket_size_mb must be positive, not {bucket_size_mb!r}")
+        if data_parallel_of(module) is not None:
+            raise DataParallelConfigError(
+                "the module is data-parallel already; apply DDP/data_parallel once per model"
+            )
+        dp_index = dp_mesh_dim_index(device_mesh, mesh_dim)
+        named_parameters = [(fqn, param) for fqn, param in module.named_parameters() if param.requires_grad]
+        for fqn, param in named_parameters:
+            _check_parameter_mesh(fqn, param, device_mesh, dp_index)
+        self.module = module
+        self.device_mesh = device_mesh
+        self.mesh_dim = mesh_dim
+        self.dp_group = device_mesh.get_group(mesh_dim)
+        self.dp_size = device_mesh.size(dp_index)
+        self.dp_rank = device_mesh.get_local_rank(mesh_dim)
+        self.overlap = overlap
+        self.grad_dtype = grad_dtype
+        self.deterministic = deterministic
+        self.zero_stage = zero_stage
+        self.buckets: list[Bucket] = build_buckets(
+            named_parameters,
+            bucket_size_bytes=int(bucket_size_mb * 2**20),
+            dp_size=self.dp_size,
+            grad_dtype=grad_dtype,
+        )
+        self._slot_of: dict[int, tuple[Bucket, int]] = {}
+        for bucket in self.buckets:
+            if zero_stage == 2:
+                bucket.grad_chunk = torch.zeros(
+                    bucket.chunk_numel, dtype=grad_dtype, device=bucket.grad_buffer.device
+                )
+            for position, slot in enumerate(bucket.slots):
+                self._slot_of[id(slot.param)] = (bucket, position)
+        self._sync_enabled = True
+        self._callback_queued = False
+        self._grads_arrived = False
+        self._reductions: dict[int, BucketReduction] = {}
+        # Parameters whose gradient does not have the bucket's dtype: which ones the bucket holds a value of.
+        self._accumulated: set[int] = set()
+        self._hook_handles = [
+            param.register_post_accumulate_grad_hook(self._on_gradient) for _, param in named_parameters
+        ]
+        setattr(module, DATA_PARALLEL_ATTRIBUTE, self)
+        for _, param in named_parameters:
+            setattr(param, DATA_PARALLEL_ATTRIBUTE, self)
+
+    @property
+    def reduce_result(self) -> str:
+        """``"reduce_scatter"`` under ZeRO-2, else ``"all_reduce"``."""
+        return "reduce_scatter" if self.zero_stage == 2 else "all_reduce"
+
+    def slots(self) -> Iterator[tuple[Bucket, ParamSlot]]:
+        """Every (bucket, parameter slot), in bucket order."""
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                yield bucket, slot
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally for the backward passes run inside; the next one outside averages.
+
+        Example::
+
+            with ddp.no_sync():
+                model(micro_batch_0).loss.backward()
+            model(micro_batch_1).loss.backward()
+        """
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def finish_grad_sync(self) -> None:
+        """Start the reductions that have not started (unused parameters count as zero) and wait for all.
+
+        Called at the end of every synchronising backward; a no-op when no gradient arrived since.
+        """
+        if not self._grads_arrived:
+            return
+        for bucket in self.buckets:
+            if bucket.index not in self._reductions:
+                self._complete_unused(bucket)
+                self._launch(bucket)
+        for bucket in self.buckets:
+            self._reductions[bucket.index].wait()
+        if self.zero_stage == 2:
+            # Only each rank's chunk is averaged: the full buffers must not pass for gradients.
+            for _, slot in self.slots():
+                slot.param.grad = None
+        self._reductions.clear()
+        self._accumulated.clear()
+        self._grads_arrived = False
+
+    def remove(self) -> None:
+        """Remove the hooks; the module is no longer data-parallel."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        for _, slot in self.slots():
+            delattr(slot.param, DATA_PARALLEL_ATTRIBUTE)
+        delattr(self.module, DATA_PARALLEL_ATTRIBUTE)
+
+    def _grad_is_bucket_view(self, param: torch.Tensor) -> bool:
+        return param.dtype == self.grad_dtype
+
+    def _wrap_like(self, param: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+        if not isinstance(param, DTensor):
+            return view
+        return DTensor.from_local(
+            view,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+
+    @torch.no_grad()
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        bucket, position = self._slot_of[id(param)]
+        slot = bucket.slots[position]
+        self._grads_arrived = True
+        if not self._callback_queued:
+            self._callback_queued = True
+            _compat.queue_end_of_backward_callback(self._end_of_backward)
+        grad = param.grad
+        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+            grad = grad.redistribute(param.device_mesh, param.placements)
+        local = local_tensor(grad)
+        view = bucket.grad_view(slot)
+        if self._grad_is_bucket_view(param):
+            # param.grad always holds the accumulated gradient (in place when it is the view already).
+            if local.data_ptr() != view.data_ptr():
+                view.copy_(local)
+            param.grad = self._wrap_like(param, view)
+        else:
+            if id(param) in self._accumulated:
+                view.add_(local)
+            else:
+                view.copy_(local)
+                self._accumulated.add(id(param))
+            param.grad = None
+        bucket.ready.add(position)
+        if self._sync_enabled and self.overlap and len(bucket.ready) == len(bucket.slots):
+            self._launch(bucket)
+
+    def _complete_unused(self, bucket: Bucket) -> None:
+        """Zero the bucket ranges of parameters that got no gradient in this accumulation window."""
+        for position, slot in enumerate(bucket.slots):
+            if position in bucket.ready:
+                continue
+            param = slot.param
+            view = bucket.grad_view(slot)
+            if self._grad_is_bucket_view(param):
+                if param.grad is None:
+                    view.zero_()
+                    param.grad = self._wrap_like(param, view)
+            elif id(param) not in self._accumulated:
+                view.zero_()
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._reductions[bucket.index] = start_reduction(
+            bucket,
+            self.dp_group,
+            result=self.reduce_result,
+            deterministic=self.deterministic,
+            grad_chunk=bucket.grad_chunk,
+        )
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if self._sync_enabled:
+            self.finish_grad_sync()
+        for bucket in self.buckets:
+            bucket.ready.clear()

@@ -1,0 +1,98 @@
+"""Averaging one gradient bucket over the data-parallel group, asynchronously.
+
+Two results: the whole averaged bucket on every rank (``"all_reduce"``, DDP and ZeRO-1) or
+only this rank's chunk of it (``"reduce_scatter"``, ZeRO-2). Two orders:
+
+* default: one ``all_reduce`` / ``reduce_scatter_tensor`` (the backend picks the summation
+  order), then a division by the dp size;
+* deterministic: an ``all_to_all`` hands every rank the other ranks' copies of its chunk,
+  which it sums in rank order 0, 1, 2, ... and divides by the dp size, so each element is
+  ``(((g_0 + g_1) + g_2) + ...) / n`` exactly, as one process accumulating the ranks'
+  micro-batch gradients in rank order would compute it; for ``"all_reduce"`` the chunks are
+  then all-gathered. It moves the bytes of a ring all-reduce (reduce-scatter + all-gather).
+
+Example::
+
+    reduction = start_reduction(bucket, group, result="all_reduce", deterministic=True)
+    ...                                   # backward goes on while the collective runs
+    reduction.wait()                      # bucket.grad_buffer now holds the average
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vescale.doptim.buckets import Bucket
+
+__all__ = [
+    "REDUCTION_RESULTS",
+    "BucketReduction",
+    "all_gather_flat",
+    "reduce_scatter_flat",
+    "start_reduction",
+]
+
+REDUCTION_RESULTS = ("all_reduce", "reduce_scatter")
+
+# torch 2.13 renamed the flat collectives and deprecated the old names (2.11 has only those).
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class BucketReduction:
+    """A bucket's reduction in flight; :meth:`wait` completes it and leaves the average in place."""
+
+    bucket: Bucket
+    group: Any
+    result: str
+    deterministic: bool
+    work: Any
+    received: torch.Tensor | None
+    grad_chunk: torch.Tensor | None
+
+    def wait(self) -> None:
+        """Block until the collective is done, then finish the average (rank-ordered if deterministic)."""
+        self.work.wait()
+        dp_size = self.bucket.dp_size
+        if not self.deterministic:
+            averaged = self.bucket.grad_buffer if self.result == "all_reduce" else self.grad_chunk
+            averaged.div_(dp_size)
+            return
+        copies = self.received.view(dp_size, -1)
+        # In place into rank 0's copy: the sum starts from g_0 exactly, as the reference's does.
+        total = copies[0]
+        for rank in range(1, dp_size):
+            total.add_(copies[rank])
+        total.div_(dp_size)
+        if self.result == "reduce_scatter":
+            self.grad_chunk.copy_(total)
+        else:
+            all_gather_flat(self.bucket.grad_buffer, total, group=self.group)
+
+
+def start_reduction(
+    bucket: Bucket, group: Any, *, result: str, deterministic: bool, grad_chunk: torch.Tensor | None = None
+) -> BucketReduction:
+    """Launch the averaging of ``bucket.grad_buffer`` over ``group`` without waiting for it.
+
+    ``grad_chunk`` (``result="reduce_scatter"``) receives this rank's chunk of the average.
+
+    Example::
+
+        start_reduction(bucket, mesh["dp"].get_group(), result="reduce_scatter",
+                        deterministic=False, grad_chunk=chunk).wait()
+    """
+    received = None
+    if deterministic:
+        received = torch.empty_like(bucket.grad_buffer)
+        work = dist.all_to_all_single(received, bucket.grad_buffer, group=group, async_op=True)
+    elif result == "all_reduce":
+        work = dist.all_reduce(bucket.grad_buffer, group=group, async_op=True)
+    else:
+        work = reduce_scatter_flat(grad_chunk, bucket.grad_buffer, group=group, async_op=True)
+    return BucketReduction(bucket, group, result, deterministic, work, received, grad_chunk)

@@ -1,0 +1,110 @@
+"""The tensors an optimizer steps under ZeRO stages 0-2: each rank's range of each parameter.
+
+Stage 0 gives every rank all of each parameter; stages 1 and 2 give rank ``r`` the part of
+each parameter inside its chunk of the parameter's bucket (a ragged range, possibly
+empty). The stepped tensor (the *master*) is a view of the parameter's own storage when
+the master dtype is the parameter's, so a step updates the parameter in place, or a
+separate copy (fp32 master weights for bf16 parameters). After the step, stages 1 and 2
+all-gather each bucket's updated chunks into every rank's parameters.
+
+Example::
+
+    shards = build_param_shards(ddp, master_dtype=torch.float32)
+    load_grads(ddp, shards); optimizer.step(); publish_params(ddp, shards)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vescale.doptim.buckets import Bucket, ParamSlot, local_tensor
+from vescale.doptim.ddp import DDP
+from vescale.doptim.reduction import all_gather_flat
+
+__all__ = ["ParamShard", "build_param_shards", "load_grads", "publish_params"]
+
+
+@dataclass
+class ParamShard:
+    """This rank's flat range ``[start, end)`` of a parameter's local tensor and the tensor stepped for it."""
+
+    fqn: str
+    param: nn.Parameter
+    bucket: Bucket | None
+    slot: ParamSlot | None
+    start: int
+    end: int
+    master: torch.Tensor
+
+    @property
+    def master_is_view(self) -> bool:
+        """Whether stepping the master updates the parameter's storage directly."""
+        return self.master.dtype == self.param.dtype
+
+
+def _rank_range(ddp: DDP, bucket: Bucket, slot: ParamSlot) -> tuple[int, int]:
+    if ddp.zero_stage == 0:
+        return 0, slot.numel
+    return slot.range_in_chunk(*bucket.chunk_range(ddp.dp_rank))
+
+
+def build_param_shards(ddp: DDP, *, master_dtype: torch.dtype | None) -> dict[int, ParamShard]:
+    """``{id(param): ParamShard}`` for every parameter of ``ddp``; ``master_dtype=None`` keeps each
+    parameter's dtype (the masters are then views).
+
+    Example::
+
+        shards = build_param_shards(ddp, master_dtype=None)
+    """
+    shards = {}
+    for bucket, slot in ddp.slots():
+        start, end = _rank_range(ddp, bucket, slot)
+        flat = local_tensor(slot.param).detach().view(-1)[start:end]
+        dtype = master_dtype or slot.param.dtype
+        master = flat if dtype == flat.dtype else flat.to(dtype=dtype, copy=True)
+        shards[id(slot.param)] = ParamShard(slot.fqn, slot.param, bucket, slot, start, end, master)
+    return shards
+
+
+def load_grads(ddp: DDP, shards: dict[int, ParamShard]) -> None:
+    """Point (or copy, across dtypes) each master's ``.grad`` at its averaged range of the bucket."""
+    for shard in shards.values():
+        bucket, slot = shard.bucket, shard.slot
+        if ddp.zero_stage == 2:
+            chunk_start = bucket.chunk_range(ddp.dp_rank)[0]
+            source = bucket.grad_chunk[
+                slot.offset + shard.start - chunk_start : slot.offset + shard.end - chunk_start
+            ]
+        else:
+            source = bucket.grad_buffer[slot.offset + shard.start : slot.offset + shard.end]
+        shard.master.grad = source if source.dtype == shard.master.dtype else source.to(shard.master.dtype)
+
+
+@torch.no_grad()
+def publish_params(ddp: DDP, shards: dict[int, ParamShard]) -> None:
+    """Write the stepped masters into the parameters: copies where needed, all-gathers under stages 1-2."""
+    if ddp.zero_stage == 0:
+        for shard in shards.values():
+            if not shard.master_is_view:
+                local_tensor(shard.param).view(-1).copy_(shard.master)
+        return
+    pending = []
+    for bucket in ddp.buckets:
+        dtype = bucket.slots[0].param.dtype
+        chunk_start = bucket.chunk_range(ddp.dp_rank)[0]
+        chunk = torch.zeros(bucket.chunk_numel, dtype=dtype, device=bucket.grad_buffer.device)
+        for slot in bucket.slots:
+            shard = shards[id(slot.param)]
+            begin = slot.offset + shard.start - chunk_start
+            chunk[begin : begin + shard.end - shard.start].copy_(shard.master)
+        gathered = torch.empty(bucket.padded_numel, dtype=dtype, device=chunk.device)
+        pending.append(
+            (bucket, gathered, all_gather_flat(gathered, chunk, group=ddp.dp_group, async_op=True))
+        )
+    for bucket, gathered, work in pending:
+        work.wait()
+        for slot in bucket.slots:
+            local_tensor(slot.param).view(-1).copy_(gathered[slot.offset : slot.offset + slot.numel])

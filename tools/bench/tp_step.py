@@ -184,21 +184,11 @@ class StepRunner:
 
     def forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
         if self.native:
-            from torch.distributed.tensor import DTensor
             from torch.distributed.tensor.parallel import loss_parallel
 
-            # loss_parallel() pops its ops from DTensor's shared custom-handler table on exit,
-            # veScale's vocabulary-parallel loss handlers with them (veScale would then gather
-            # the logits): put the table back as it was.
-            handlers = DTensor._op_dispatcher._custom_op_handlers
-            saved = dict(handlers)
-            try:
-                with loss_parallel():
-                    loss = self.model(batch, batch)
-                    loss.backward()
-            finally:
-                handlers.clear()
-                handlers.update(saved)
+            with loss_parallel():
+                loss = self.model(batch, batch)
+                loss.backward()
             return loss
         loss = self.model(batch, batch)
         loss.backward()

@@ -114,3 +114,61 @@ def test_dtensor_op_strategy_can_be_read_and_replaced():
         assert _compat.dtensor_op_strategy(view) is replacement
     finally:
         _compat.set_dtensor_op_strategy(view, registered)
+
+
+# --- DTensor's op dispatcher: its handler table, scalar-shape adjusters and caches ---------
+
+
+def handler_table_subclass_is_read_by_dispatch_on_ranks() -> list[str]:
+    """DTensor's C++ dispatch finds a handler in a dict subclass put in place of its table."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    x = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    original = _compat.dtensor_custom_op_handlers()
+    calls: list[str] = []
+
+    class Table(dict):
+        pass
+
+    def neg_handler(op_call, args, kwargs):
+        calls.append(str(op_call))
+        return args[0]
+
+    table = Table(original)
+    table[torch.ops.aten.neg.default] = neg_handler
+    try:
+        _compat.set_dtensor_custom_op_handlers(table)
+        assert _compat.dtensor_custom_op_handlers() is table
+        assert torch.neg(x) is x
+    finally:
+        _compat.set_dtensor_custom_op_handlers(original)
+    return calls
+
+
+def test_dtensor_handler_table_can_be_replaced_by_a_dict_subclass():
+    # Imported here: this file's section above is shared and only appended to.
+    import pytest
+
+    from vescale.dtensor.testing import run_on_ranks
+
+    assert run_on_ranks(handler_table_subclass_is_read_by_dispatch_on_ranks, 1) == [["aten.neg.default"]]
+    with pytest.raises(_compat.PrivateTorchAPIError, match="must be a dict"):
+        _compat.set_dtensor_custom_op_handlers([])
+
+
+def test_dtensor_scalar_shape_adjusters_and_sharding_caches_exist():
+    adjusters = _compat.dtensor_scalar_shape_adjusters()
+    assert isinstance(adjusters, dict)
+    assert torch.ops.aten.native_group_norm.default in adjusters  # PyTorch's own use of the table
+    propagate = _compat.dtensor_sharding_propagator().propagate_op_sharding
+    _compat.clear_dtensor_sharding_caches()
+    assert propagate.cache_info().currsize == 0
+
+
+def test_dtensor_strategy_types_exist():
+    for name in _compat.STRATEGY_TYPE_NAMES:
+        assert isinstance(_compat.dtensor_strategy_type(name), type), name
+    op_spec = _compat.dtensor_strategy_type("op_spec")(None, None, [[0.0]])
+    assert _compat.dtensor_strategy_type("op_strategy")([op_spec]).strategies == [op_spec]

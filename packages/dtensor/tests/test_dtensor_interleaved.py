@@ -81,7 +81,12 @@ def interleaved_layout_on_ranks(mesh_shape: tuple[int, ...], full: torch.Tensor,
         list_parts = weight.split([part_size] * parts, dim)
         unflattened = weight.unflatten(dim, (parts, part_size))
         viewed = weight.view(*full.shape[:dim], parts, part_size, *full.shape[dim + 1 :])
+        # Pieces of several parts each, and the cat that joins them back (split's backward).
+        grouped = weight.split([2 * part_size, (parts - 2) * part_size], dim) if parts > 2 else ()
+        rejoined = torch.cat(grouped, dim) if grouped else None
     result["split_comms"] = _comm_counts(counter)
+    result["grouped"] = [(_texts(p), p.full_tensor()) for p in grouped]
+    result["rejoined"] = None if rejoined is None else (_texts(rejoined), rejoined.to_local().clone())
     result["split"] = [(_texts(p), p.full_tensor()) for p in split_parts]
     result["chunk"] = [(_texts(p), p.full_tensor()) for p in chunk_parts]
     result["split_list"] = [(_texts(p), p.full_tensor()) for p in list_parts]
@@ -233,6 +238,18 @@ def test_interleaved_layout_split_and_redistribution_match_single_device(mesh_sh
             assert [texts for texts, _ in result[key]] == [part_texts] * parts, key
             for (_, part_full), reference in zip(result[key], split_reference, strict=True):
                 assert torch.equal(part_full, reference), key
+        if parts > 2:
+            grouped_texts = [list(part_texts), list(part_texts)]
+            grouped_texts[0][mesh_dim] = f"IS({dim},2)"
+            grouped_texts[1][mesh_dim] = f"S({dim})" if parts == 3 else f"IS({dim},{parts - 2})"
+            grouped_reference = full.split(
+                [2 * (full.size(dim) // parts), (parts - 2) * (full.size(dim) // parts)], dim
+            )
+            assert [texts for texts, _ in result["grouped"]] == grouped_texts
+            for (_, piece_full), reference in zip(result["grouped"], grouped_reference, strict=True):
+                assert torch.equal(piece_full, reference)
+            assert result["rejoined"][0] == result["placements"]
+            assert torch.equal(result["rejoined"][1], expected_local), rank
         # unflatten turns tensor dim `dim` into (parts, part_size): later dims move up by one.
         unflat_texts = [
             f"S({p.dim % full.ndim + 1})"
@@ -349,3 +366,44 @@ def test_interleaved_size_not_dividing_the_dim_is_a_typed_error_on_every_entry_p
 def test_dtensor_placements_read_back_as_interleaved_shard():
     strided = InterleavedShard(0, 3).to_torch()
     assert to_vescale_placements([Replicate(), strided]) == (Replicate(), InterleavedShard(0, 3))
+
+
+def dispatch_path_on_ranks() -> dict:
+    """Where split/cat of DTensors go once InterleavedShard is in use, and after vescale.dtensor.ops
+    registers its cat strategy again (as when it is imported after the first InterleavedShard)."""
+    import importlib
+
+    from vescale.dtensor import _compat
+
+    mesh = _mesh((dist.get_world_size(),))
+    fused = distribute_tensor(torch.arange(24.0).reshape(12, 2), mesh, [InterleavedShard(0, 3)])
+    importlib.reload(importlib.import_module("vescale.dtensor.ops.concat"))
+    q, k, v = fused.split(4, dim=0)
+    joined = torch.cat([q, k, v], dim=0)
+    plain = distribute_tensor(torch.arange(24.0).reshape(4, 6), mesh, [Shard(0)])
+    plain_parts = plain.split(3, dim=1)
+    plain_joined = torch.cat(plain_parts, dim=1)
+    ops = (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.cat.default)
+    handlers, adjusters = _compat.dtensor_custom_op_handlers(), _compat.dtensor_scalar_shape_adjusters()
+    return {
+        "handlers": [str(op) for op in ops if op in handlers],
+        "adjusters": [str(op) for op in ops if op in adjusters],
+        "joined": (_texts(joined), joined.full_tensor()),
+        "plain_parts": [(_texts(part), part.full_tensor()) for part in plain_parts],
+        "plain_joined": (_texts(plain_joined), plain_joined.full_tensor()),
+    }
+
+
+def test_split_and_cat_of_any_dtensor_stay_on_dtensors_cached_path_with_interleaved_sharding_in_use():
+    full = torch.arange(24.0).reshape(12, 2)
+    plain_full = torch.arange(24.0).reshape(4, 6)
+    for result in run_on_ranks(dispatch_path_on_ranks, 2, timeout_s=60):
+        # A per-op handler, or an argument adjuster left registered, would send every split/cat
+        # of every DTensor through Python: the part-wise behaviour lives in strategies only.
+        assert result["handlers"] == [] and result["adjusters"] == []
+        assert result["joined"][0] == ["IS(0,3)"]
+        assert torch.equal(result["joined"][1], full)
+        # Ordinary DTensors get stock PyTorch's placements.
+        for (texts, part_full), reference in zip(result["plain_parts"], plain_full.split(3, 1), strict=True):
+            assert texts == ["S(0)"] and torch.equal(part_full, reference)
+        assert result["plain_joined"][0] == ["S(0)"] and torch.equal(result["plain_joined"][1], plain_full)

@@ -99,14 +99,22 @@ def reset_dtensor_rng_tracker() -> None:
 # holds the registered strategies.
 
 
+# DTensor creates its one OpDispatcher when its class is defined; handlers look it up per call.
+_dispatcher: Any = None
+
+
 def _op_dispatcher() -> Any:
+    global _dispatcher
+    if _dispatcher is not None:
+        return _dispatcher
     dtensor_class = _private_attribute("torch.distributed.tensor", "DTensor", type)
     if not hasattr(dtensor_class, "_op_dispatcher"):
         raise PrivateTorchAPIError(
             f"torch.distributed.tensor.DTensor._op_dispatcher does not exist in torch {torch.__version__}; "
             "update vescale/dtensor/_compat.py for this release."
         )
-    return dtensor_class._op_dispatcher
+    _dispatcher = dtensor_class._op_dispatcher
+    return _dispatcher
 
 
 def dtensor_custom_op_handlers() -> dict:
@@ -131,6 +139,54 @@ def dtensor_sharding_propagator() -> Any:
     if propagator is None or not hasattr(propagator, "op_strategy_funcs"):
         raise PrivateTorchAPIError("DTensor._op_dispatcher.sharding_propagator is missing or changed")
     return propagator
+
+
+# DTensor's C++ dispatch reads the handler table from the dispatcher on every call, so a
+# dict subclass put in its place is honoured; torch's own code only calls dict methods on it.
+
+
+def set_dtensor_custom_op_handlers(table: dict) -> None:
+    """Make ``table`` (a dict, possibly a subclass, holding every current entry) DTensor's handler table."""
+    dtensor_custom_op_handlers()
+    if not isinstance(table, dict):
+        raise PrivateTorchAPIError(
+            f"DTensor's custom op handler table must be a dict, got {type(table).__name__}"
+        )
+    _op_dispatcher()._custom_op_handlers = table
+
+
+def dtensor_scalar_shape_adjusters() -> dict:
+    """``{OpOverload: adjust(input_specs, op_schema) -> op_schema}``: the propagator's rewrites of an
+    op's non-tensor arguments into local values, applied when an input is sharded."""
+    adjusters = getattr(dtensor_sharding_propagator(), "op_to_scalar_shape_adjuster", None)
+    if not isinstance(adjusters, dict):
+        raise PrivateTorchAPIError(
+            "DTensor's ShardingPropagator.op_to_scalar_shape_adjuster is missing or not a dict in torch "
+            f"{torch.__version__}; update vescale/dtensor/_compat.py for this release."
+        )
+    return adjusters
+
+
+def clear_dtensor_sharding_caches() -> None:
+    """Forget every cached sharding decision (Python's and the C++ fast path's), so that changed
+    strategies apply to op schemas already seen."""
+    cached = getattr(dtensor_sharding_propagator().propagate_op_sharding, "cache_clear", None)
+    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if cached is None or clear_fast_path is None:
+        raise PrivateTorchAPIError(
+            "DTensor's sharding caches (ShardingPropagator.propagate_op_sharding.cache_clear, "
+            f"torch._C._clear_DTensor_sharding_propagator_cache) are missing in torch {torch.__version__}; "
+            "update vescale/dtensor/_compat.py for this release."
+        )
+    cached()
+    clear_fast_path()
+
+
+__all__ += [
+    "clear_dtensor_sharding_caches",
+    "dtensor_scalar_shape_adjusters",
+    "set_dtensor_custom_op_handlers",
+]
 
 
 # --- random numbers (vescale.dtensor.random) ----------------------------------------------
@@ -314,6 +370,27 @@ def set_dtensor_op_strategy(op: Any, strategy: Any) -> None:
     """
     dtensor_op_strategy(op)
     dtensor_strategy_registries()["op_strategy_funcs"][op] = strategy
+
+
+# A strategy function that decides placements itself (rather than through the public
+# register_sharding, which expands one mesh dim's choices to every mesh dim) builds the
+# propagator's private types: OpSchema, OpSpec, OpStrategy, TupleStrategy and DTensorSpec.
+STRATEGY_TYPE_NAMES = {
+    "op_schema": ("torch.distributed.tensor._op_schema", "OpSchema"),
+    "op_spec": ("torch.distributed.tensor._op_schema", "OpSpec"),
+    "op_strategy": ("torch.distributed.tensor._op_schema", "OpStrategy"),
+    "tuple_strategy": ("torch.distributed.tensor._op_schema", "TupleStrategy"),
+    "dtensor_spec": ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"),
+}
+
+
+def dtensor_strategy_type(name: str) -> type:
+    """One of the propagator's types by its key in ``STRATEGY_TYPE_NAMES`` (e.g. ``"op_spec"``)."""
+    module_name, attribute = STRATEGY_TYPE_NAMES[name]
+    return _private_attribute(module_name, attribute, type)
+
+
+__all__ += ["STRATEGY_TYPE_NAMES", "dtensor_strategy_type"]
 
 
 def queue_autograd_engine_callback(callback: Any) -> None:

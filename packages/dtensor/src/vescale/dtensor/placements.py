@@ -18,9 +18,9 @@ wrong is patched here and in :mod:`vescale.dtensor._interleaved_ops`:
   tensor and cuts the local shard out locally (one broadcast instead of one scatter);
 * ``split``/``chunk`` into the parts all-gathered the tensor: they now cut the local shard
   and return ``Shard(dim)`` parts, and ``cat`` of such parts (the backward of ``split``)
-  gives the interleaved tensor back, both without communication. These handlers are
-  installed when the first ``InterleavedShard`` is turned into a DTensor placement, so a
-  model without fused weights keeps PyTorch's own split/cat dispatch.
+  gives the interleaved tensor back, both without communication. These are sharding
+  strategies (DTensor's cached fast path stays in use for every other split/cat), installed
+  when the first ``InterleavedShard`` is turned into a DTensor placement.
 
 A DTensor therefore shows ``_StridedShard`` in ``.placements``; :func:`to_vescale_placements`
 (and :func:`placement_to_string`) read it back as ``InterleavedShard``.
@@ -97,8 +97,8 @@ class InterleavedShard:
         """The PyTorch placement a DTensor stores this one as (``Shard`` when there is one part)."""
         if self.interleaved_size == 1:
             return Shard(self.dim)
-        # The part-wise split/cat handlers cost every split and cat of any DTensor a Python
-        # round trip, so they are installed only once a model uses interleaved sharding.
+        # The part-wise split/cat strategies are installed once a model uses interleaved
+        # sharding, so that without it a cat along a Shard dim gathers as in PyTorch.
         register_interleaved_ops()
         return _compat.strided_shard_type()(self.dim, split_factor=self.interleaved_size)
 

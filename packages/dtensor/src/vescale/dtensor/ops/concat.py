@@ -22,6 +22,8 @@ import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
+from vescale.dtensor._interleaved_ops import restore_interleaved_ops
+
 __all__ = ["cat_strategy"]
 
 aten = torch.ops.aten
@@ -52,3 +54,8 @@ def cat_strategy(tensors: list[Any], dim: int = 0) -> list[tuple[list[Placement]
         inputs = [Replicate() if _is_legacy_empty(spec) else placement for spec in tensors]
         strategies.append(([placement], inputs))
     return strategies
+
+
+# register_sharding replaced cat's strategy, InterleavedShard's part-wise join with it if an
+# InterleavedShard was used before vescale.dtensor.ops was imported.
+restore_interleaved_ops()

@@ -10,8 +10,12 @@ the class dim sharded, in the manner of PyTorch's ``loss_parallel`` but register
 * ``nll_loss_forward``: each rank picks the log-probability of the targets in its vocabulary
   slice (zero elsewhere), one all-reduce of the ``tokens`` picked values, then the reduction
   (``mean``/``sum``/``none``, ``ignore_index``) is done by aten itself on that column;
-* ``nll_loss_backward`` / ``_log_softmax_backward_data``: local, plus one ``tokens x 1``
-  all-reduce for the softmax backward.
+* ``nll_loss_backward`` / ``_log_softmax_backward_data``: local, no communication. The
+  softmax backward needs each row's gradient sum; the gradient ``nll_loss_backward`` makes
+  has one non-zero per row, at the target, whose value every rank knows, so it carries its
+  row sums along (as in Megatron's formulation, which reduces nothing in the backward) and
+  they replace the ``tokens x 1`` all-reduce, with bitwise the same result. A gradient that
+  reaches the softmax any other way (summed with another, changed in place) is reduced.
 
 Other layouts (class dim not sharded, class weights, the class dim sharded on several mesh
 dims, interleaved) go to DTensor's own dispatch.
@@ -109,16 +113,38 @@ def _log_softmax_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
     return _like(shifted - sum_exp.log(), source)
 
 
+@dataclass(frozen=True)
+class _RowSums:
+    """The class-dim sums of a gradient made by ``nll_loss_backward``, the same on every rank."""
+
+    values: torch.Tensor
+    # The local gradient's version counter when the sums were taken: an in-place change voids them.
+    version: int
+
+
+# An attribute of the gradient DTensor (a dict keyed by tensors would compare them elementwise).
+_ROW_SUMS_ATTRIBUTE = "_vescale_nll_row_sums"
+
+
+def _known_row_sums(grad_output: DTensor, output: DTensor) -> torch.Tensor | None:
+    row_sums = getattr(grad_output, _ROW_SUMS_ATTRIBUTE, None)
+    if row_sums is None or grad_output.placements != output.placements:
+        return None
+    return row_sums.values if row_sums.version == grad_output.to_local()._version else None
+
+
 def _log_softmax_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
     grad_output, output, dim, input_dtype = args
     sharding = _class_sharding(output, dim)
     if sharding is None or not isinstance(grad_output, DTensor):
         return dispatch_previous(op_call, args, kwargs)
-    local_grad = grad_output.redistribute(output.device_mesh, output.placements).to_local()
     local_output = output.to_local()
     dim %= local_output.ndim
-    grad_sum = local_grad.sum(dim, keepdim=True)
-    dist.all_reduce(grad_sum, dist.ReduceOp.SUM, group=sharding.group)
+    grad_sum = _known_row_sums(grad_output, output)
+    local_grad = grad_output.redistribute(output.device_mesh, output.placements).to_local()
+    if grad_sum is None:
+        grad_sum = local_grad.sum(dim, keepdim=True)
+        dist.all_reduce(grad_sum, dist.ReduceOp.SUM, group=sharding.group)
     grad_input = (local_grad - local_output.exp() * grad_sum).to(input_dtype)
     return _like(grad_input, output)
 
@@ -179,7 +205,8 @@ def _nll_loss_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> objec
         return dispatch_previous(op_call, args, kwargs)
     mesh = log_probs.device_mesh
     local = log_probs.to_local()
-    column = _target_column(_replicated_local(target, mesh), local.size(-1), sharding.offset, ignore_index)
+    target_local = _replicated_local(target, mesh)
+    column = _target_column(target_local, local.size(-1), sharding.offset, ignore_index)
     column_shape = (*column.in_slice.shape, 1)
     grad_column = op_call(
         _replicated_local(grad_output, mesh),
@@ -195,7 +222,13 @@ def _nll_loss_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> objec
         grad_local.scatter_(
             -1, column.local_index.unsqueeze(-1), torch.where(column.in_slice.unsqueeze(-1), grad_column, 0.0)
         )
-    return _like(grad_local, log_probs)
+    grad = _like(grad_local, log_probs)
+    # Each counted row's one non-zero lies in exactly one rank's slice: its sum over the class
+    # dim is that value, and zero for ignored rows (and for targets outside the classes).
+    counted = (target_local >= 0) & (target_local < log_probs.shape[-1]) & (target_local != ignore_index)
+    row_sums = torch.where(counted.unsqueeze(-1), grad_column, 0.0)
+    setattr(grad, _ROW_SUMS_ATTRIBUTE, _RowSums(row_sums, grad_local._version))
+    return grad
 
 
 VOCAB_PARALLEL_LOSS_OPS = {

@@ -8,7 +8,8 @@ views where a user cannot step in (the backward of ``x.view(-1, hidden)`` in an 
 ``_unsafe_view`` from a reshape), so for this one failure the copying twin's strategy is
 used; the result then no longer aliases the input. Every other case, flattening an uneven
 shard included, keeps PyTorch's strict behaviour. The wrapper only runs when DTensor
-propagates a new op schema (results are cached), so it costs nothing per call.
+propagates a new op schema (results are cached), so it costs nothing per call. torch 2.11
+has no ``view_copy`` strategy: there the strict behaviour stays.
 
 Example::
 
@@ -18,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +58,13 @@ def redistributing_on_unflatten(strict: Callable[[Any], Any], copying: Callable[
 
 
 def _install() -> None:
+    if aten.view_copy.default not in _compat.dtensor_strategy_registries()["op_strategy_funcs"]:
+        # torch 2.11 registers no view_copy strategy: uneven unflattens keep PyTorch's error there.
+        logging.getLogger("vescale.dtensor").debug(
+            "torch %s has no DTensor strategy for view_copy; views of uneven shards stay strict",
+            torch.__version__,
+        )
+        return
     copying = _compat.dtensor_op_strategy(aten.view_copy.default)
     for view_op in VIEW_OPS_REDISTRIBUTING_ON_UNFLATTEN:
         registered = _compat.dtensor_op_strategy(view_op)

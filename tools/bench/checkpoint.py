@@ -9,13 +9,23 @@ The raw rate is every rank writing its local tensors' bytes to one file and fsyn
 amplification loads the 2-rank checkpoint on 4 ranks (dim 0 and dim 1 reshards) and counts
 the bytes each rank read through ``read``/``pread`` system calls (``rchar`` of
 ``/proc/self/io``, which also counts the few bytes of gloo traffic), divided by the bytes
-its shards hold; the worst rank is reported.
+its shards hold; the worst rank is reported. Replicated reading loads the same checkpoint on
+4 ranks that each need every tensor whole, and reports the group's total bytes read over the
+checkpoint's tensor bytes (ours also by its own ReadStats, which counts only file reads). The
+export row runs ``export_hf`` on the large checkpoint in a fresh process and reports its
+peak-RSS growth. The async rows measure the first save of a fresh process (cold: its staging
+memory is faulted in while the caller waits), the steady state, and the first save of fresh
+ranks that called ``prepare_async_save`` at start-up, each over the same library's
+synchronous save of the large state. The raw rate is the better of two raw writes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,9 +35,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
-from vescale.dcheckpoint import load, save
+from vescale.dcheckpoint import load, prepare_async_save, save
 from vescale.dtensor.placements import distribute_tensor
-from vescale.dtensor.testing import run_on_ranks
+from vescale.dtensor.testing import run_on_ranks, shutdown_rank_pool
 
 
 def _state(count: int, numel: int, placements: list[str]) -> dict[str, torch.Tensor]:
@@ -49,6 +59,9 @@ class _Holder(torch.nn.Module):
 
 
 def _timed(action) -> float:
+    # Dirty pages of earlier phases are flushed first, so that their writeback is not billed to
+    # whichever library's fsync happens to come next.
+    os.sync()
     dist.barrier()
     started = time.perf_counter()
     action()
@@ -75,7 +88,11 @@ def save_side_on_ranks(root: str, count: int, numel: int) -> dict[str, float]:
     tensor_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     rank = dist.get_rank()
     results = {"tensor_bytes": tensor_bytes}
-    results["raw_s"] = _timed(lambda: _raw_write(root_path / f"raw-{rank}.bin", tensors))
+    # The best of two: the rate the disk and page cache allow, not a cold first write's.
+    results["raw_s"] = min(
+        _timed(lambda attempt=attempt: _raw_write(root_path / f"raw-{rank}-{attempt}.bin", tensors))
+        for attempt in range(2)
+    )
     results["vescale_save_s"] = _timed(lambda: save(root_path / "vescale", {"model": holder}))
     results["dcp_save_s"] = _timed(lambda: dcp.save(dict(tensors), checkpoint_id=root_path / "dcp"))
     results["vescale_load_s"] = _timed(lambda: load(root_path / "vescale", {"model": holder}))
@@ -106,6 +123,21 @@ def save_side_on_ranks(root: str, count: int, numel: int) -> dict[str, float]:
     return results
 
 
+def prepared_async_on_ranks(root: str, count: int, numel: int) -> dict[str, float]:
+    """In fresh rank processes: how long the first async save after ``prepare_async_save`` blocks."""
+    root_path = Path(root)
+    holder = _Holder(_state(count, numel, ["S(0)"]))
+    prepare_s = _timed(lambda: prepare_async_save({"model": holder}))
+    pending = {}
+    first_s = _timed(
+        lambda: pending.setdefault(
+            "save", save(root_path / "vescale-prepared", {"model": holder}, async_save=True)
+        )
+    )
+    pending["save"].result()
+    return {"first_s": first_s, "prepare_s": prepare_s}
+
+
 def _rchar() -> int:
     with open("/proc/self/io") as io_counters:
         return next(int(line.split()[1]) for line in io_counters if line.startswith("rchar"))
@@ -124,6 +156,49 @@ def reshard_on_ranks(root: str, count: int, numel: int) -> dict[str, float]:
                 dcp.load(dict(tensors), checkpoint_id=Path(root) / "dcp")
             results[f"{library}_{placements[0]}"] = (_rchar() - before) / needed
     return results
+
+
+def replicated_on_ranks(root: str, count: int, numel: int) -> dict[str, float]:
+    """Every rank needs every tensor whole: bytes the group reads, per library, and ours by ReadStats."""
+    tensors = _state(count, numel, ["R"])
+    results = {}
+    for library in ("vescale", "dcp"):
+        before = _rchar()
+        if library == "vescale":
+            stats = load(Path(root) / "vescale", {"model": _Holder(tensors)}).stats
+            results["vescale_stats"] = stats.bytes_read
+        else:
+            dcp.load(dict(tensors), checkpoint_id=Path(root) / "dcp")
+        results[library] = _rchar() - before
+    return results
+
+
+# Run in a fresh process; writing 5 to clear_refs resets the peak-RSS mark (VmHWM) to the
+# current RSS, so the peak measured is the export's own.
+_MEASURE_EXPORT = """
+import json, sys
+from vescale.dcheckpoint import export_hf
+
+def status_kib(field):
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field))
+
+with open("/proc/self/clear_refs", "w") as clear_refs:
+    clear_refs.write("5")
+before = status_kib("VmRSS:")
+export_hf(sys.argv[1], sys.argv[2])
+print(json.dumps({"growth_bytes": (status_kib("VmHWM:") - before) * 1024}))
+"""
+
+
+def _export_peak_growth(checkpoint: Path, out_dir: Path) -> int:
+    measured = subprocess.run(
+        [sys.executable, "-c", _MEASURE_EXPORT, str(checkpoint), str(out_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(measured.stdout)["growth_bytes"]
 
 
 def _row(name: str, vescale_value: str, dcp_value: str, goal: str) -> str:
@@ -151,6 +226,17 @@ def main() -> None:
         small = run_on_ranks(save_side_on_ranks, 2, args=small_args, timeout_s=1800)[0]
         per_rank = run_on_ranks(reshard_on_ranks, 4, args=(str(large_root), 64, large_numel), timeout_s=1800)
         reshard = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
+        per_rank = run_on_ranks(
+            replicated_on_ranks, 4, args=(str(large_root), 64, large_numel), timeout_s=1800
+        )
+        replicated = {key: sum(r[key] for r in per_rank) for key in per_rank[0]}
+        shutdown_rank_pool()  # fresh ranks: no staging memory left from the runs above
+        prepared_root = Path(scratch) / "prepared"
+        prepared_root.mkdir()
+        prepared = run_on_ranks(
+            prepared_async_on_ranks, 2, args=(str(prepared_root), 64, large_numel), timeout_s=1800
+        )[0]
+        export_growth = _export_peak_growth(large_root / "vescale", Path(scratch) / "hf-export")
     large_bytes = large["tensor_bytes"]
     raw_rate = large_bytes / large["raw_s"]
     print(f"2 gloo ranks; large: 64 tensors, {large_bytes >> 20} MiB; small: {args.small_count} x 16 KiB")
@@ -204,6 +290,14 @@ def main() -> None:
         )
     print(
         _row(
+            f"async blocking / sync save (first, after prepare_async_save: {prepared['prepare_s']:.2f} s)",
+            f"{prepared['first_s'] / large['vescale_save_s']:.1%}",
+            "-",
+            "<= 10%",
+        )
+    )
+    print(
+        _row(
             "reshard 2->4 dim 0: bytes read / needed",
             f"{reshard['vescale_S(0)']:.3f}",
             f"{reshard['dcp_S(0)']:.3f}",
@@ -216,6 +310,24 @@ def main() -> None:
             f"{reshard['vescale_S(1)']:.3f}",
             f"{reshard['dcp_S(1)']:.3f}",
             "<= 1.10",
+        )
+    )
+    ours = f"{replicated['vescale'] / large_bytes:.3f}"
+    print(
+        _row(
+            "replicated on 4 ranks: group bytes read / checkpoint",
+            f"{ours} (ReadStats {replicated['vescale_stats'] / large_bytes:.3f})",
+            f"{replicated['dcp'] / large_bytes:.3f}",
+            "<= 1.05",
+        )
+    )
+    largest = large_bytes // 64
+    print(
+        _row(
+            f"export_hf peak RSS growth, MiB (largest tensor {largest >> 20} MiB)",
+            f"{export_growth / 2**20:.0f}",
+            "-",
+            f"<= {(largest >> 20) + 64}",
         )
     )
 

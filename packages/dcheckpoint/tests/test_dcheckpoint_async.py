@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from vescale.dcheckpoint import AsyncSave, load, save
+from vescale.dcheckpoint import AsyncSave, load, prepare_async_save, save
 from vescale.dtensor.mesh import device_type_for_backend
 from vescale.dtensor.placements import distribute_tensor
 from vescale.dtensor.testing import run_on_ranks
@@ -82,3 +82,19 @@ def test_memory_is_stable_over_twenty_async_saves(tmp_path):
     # A staged copy kept alive per save would add state_bytes per save (15 x 8 MiB here).
     assert resident[-1] - resident[4] < state_bytes, [r >> 20 for r in resident]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-18", "step-19"]
+
+
+def test_prepare_async_save_makes_the_first_async_save_allocate_nothing(tmp_path):
+    # 24 MiB: larger than the staging memory earlier tests in this process reserved, so the
+    # reservation is this test's own.
+    model = nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(6)))
+    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert prepare_async_save({"model": model}) >= state_bytes
+    resident = _resident_bytes()
+    save(tmp_path / "step-1", {"model": model}, async_save=True).result()
+    # Without the reservation the save would fault in a fresh state-sized buffer here.
+    assert _resident_bytes() - resident < state_bytes / 4
+    loaded = nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(6)))
+    load(tmp_path, {"model": loaded})
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name

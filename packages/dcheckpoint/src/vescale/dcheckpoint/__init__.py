@@ -4,6 +4,8 @@ export.
 Every rank writes its share of the distinct tensor chunks into one ``.safetensors`` file;
 rank 0 writes a JSON index last and renames the directory into place. Loading reads only
 the byte ranges each rank's shards overlap, into whatever layout the state has now.
+Hugging Face safetensors checkpoints load into parallelized models the same way
+(``load_hf``), and ``export_hf`` writes one that ``from_pretrained`` loads.
 
 Example::
 
@@ -14,7 +16,15 @@ Example::
 
 from importlib.metadata import version as _distribution_version
 
-from vescale.dcheckpoint.api import AsyncSave, LoadResult, SaveResult, load, read_index, save
+from vescale.dcheckpoint.api import (
+    AsyncSave,
+    LoadResult,
+    SaveResult,
+    load,
+    prepare_async_save,
+    read_index,
+    save,
+)
 from vescale.dcheckpoint.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -23,6 +33,7 @@ from vescale.dcheckpoint.errors import (
     CheckpointNotFoundError,
     CheckpointUsageError,
 )
+from vescale.dcheckpoint.hf import export_hf, load_hf
 from vescale.dcheckpoint.rng import RNGState
 
 __all__ = [
@@ -37,7 +48,10 @@ __all__ = [
     "RNGState",
     "SaveResult",
     "__version__",
+    "export_hf",
     "load",
+    "load_hf",
+    "prepare_async_save",
     "read_index",
     "save",
 ]

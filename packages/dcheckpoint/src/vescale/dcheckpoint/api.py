@@ -20,16 +20,32 @@ from torch.distributed.tensor import DTensor
 
 from vescale.dcheckpoint import atomic
 from vescale.dcheckpoint._collectives import rank_and_world_size
-from vescale.dcheckpoint.async_save import AsyncSave, start_async_save, wait_for_pending_save
+from vescale.dcheckpoint._gc import gc_paused
+from vescale.dcheckpoint.async_save import (
+    AsyncSave,
+    background_group,
+    start_async_save,
+    wait_for_pending_save,
+)
 from vescale.dcheckpoint.errors import CheckpointFormatError, CheckpointMismatchError, CheckpointUsageError
 from vescale.dcheckpoint.index import INDEX_NAME, CheckpointIndex, parse_index
 from vescale.dcheckpoint.layout import TensorLayout
 from vescale.dcheckpoint.reader import ReadStats, ShardReader
 from vescale.dcheckpoint.rng import RNGState
-from vescale.dcheckpoint.saving import SaveResult, stage_save, write_and_commit
+from vescale.dcheckpoint.saving import SaveResult, prepare_staging, stage_save, write_and_commit
+from vescale.dcheckpoint.shared_reads import SharedReads
 from vescale.dcheckpoint.state import plan_restore
 
-__all__ = ["AsyncSave", "LoadResult", "SaveResult", "load", "read_index", "save"]
+__all__ = [
+    "AsyncSave",
+    "LoadResult",
+    "SaveResult",
+    "load",
+    "prepare_async_save",
+    "read_index",
+    "read_targets",
+    "save",
+]
 
 logger = logging.getLogger("vescale.dcheckpoint")
 
@@ -65,10 +81,29 @@ def save(
             f"keep_last={keep_last!r}: keep at least the checkpoint just saved (keep_last >= 1), or pass None"
         )
     wait_for_pending_save()
-    staged = stage_save(Path(path), state, keep_last, copy=async_save)
-    if async_save:
-        return start_async_save(staged)
-    return write_and_commit(staged)
+    with gc_paused():
+        staged = stage_save(Path(path), state, keep_last, copy=async_save)
+        if async_save:
+            return start_async_save(staged)
+        return write_and_commit(staged)
+
+
+def prepare_async_save(state: dict[str, Any]) -> int:
+    """Reserve now the memory that async saves of ``state`` copy into; return its bytes on this rank.
+
+    Optional: call it once at start-up, on every rank (it also creates the saving thread's
+    process group), and the first ``save(..., async_save=True)`` blocks only for the copy, like
+    every later one, instead of also faulting in fresh memory. Later saves reuse it either way.
+
+    Example::
+
+        prepare_async_save({"model": model, "optimizer": optimizer})
+        pending = save("ckpt/step-000100", {"model": model, "optimizer": optimizer}, async_save=True)
+    """
+    wait_for_pending_save()
+    background_group()
+    with gc_paused():
+        return prepare_staging(state)
 
 
 def read_index(directory: Path) -> CheckpointIndex:
@@ -114,16 +149,45 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True)
         result.stats.bytes_read / result.stats.bytes_needed
     """
     wait_for_pending_save()
-    directory = atomic.resolve_checkpoint(Path(path))
+    with gc_paused():
+        return _load(Path(path), state, strict)
+
+
+def _load(path: Path, state: dict[str, Any], strict: bool) -> LoadResult:
+    directory = atomic.resolve_checkpoint(path)
     index = read_index(directory)
     restore = plan_restore(state, index, strict)
-    rank, world_size = rank_and_world_size()
-    with ShardReader(directory, index) as reader, torch.no_grad():
-        for name, target in restore.targets.items():
-            layout = TensorLayout.of(target, world_size, name)
-            local = target.to_local() if isinstance(target, DTensor) else target
-            reader.read_into(index.tensors[name], local, layout.local_boxes(rank))
+    stats = read_targets(directory, index, restore.targets)
     restore.apply()
     if restore.restore_rng:
+        rank, world_size = rank_and_world_size()
         _restore_rng(index, rank, world_size)
-    return LoadResult(directory, reader.stats)
+    return LoadResult(directory, stats)
+
+
+def read_targets(directory: Path, index: CheckpointIndex, targets: dict[str, torch.Tensor]) -> ReadStats:
+    """Fill every target (a DTensor or plain tensor of the saved shape and dtype) from ``index``.
+
+    Each rank reads the byte ranges of the boxes only it holds; boxes several ranks hold are
+    read once and sent (:mod:`shared_reads`). Every rank must call it; their targets may differ.
+
+    Example::
+
+        stats = read_targets(directory, index, {"model/fc.weight": model.fc.weight})
+        stats.bytes_read / stats.bytes_needed
+    """
+    rank, world_size = rank_and_world_size()
+    locals_by_name = {
+        name: target.to_local() if isinstance(target, DTensor) else target for name, target in targets.items()
+    }
+    layouts = {
+        name: TensorLayout.of(target, world_size, name, locals_by_name[name])
+        for name, target in targets.items()
+    }
+    shared = SharedReads.plan(layouts, {name: t.dtype for name, t in targets.items()}, rank)
+    with ShardReader(directory, index) as reader, torch.no_grad():
+        for name, layout in layouts.items():
+            own = [box for box in layout.local_boxes(rank) if not shared.is_shared(name, box.box)]
+            reader.read_into(index.tensors[name], locals_by_name[name], own)
+        shared.exchange(reader, index, locals_by_name, layouts)
+    return reader.stats

@@ -1,10 +1,11 @@
 """Saves that return once the state is staged, writing and committing on a background thread.
 
 The caller's thread blocks only for staging (planning and copying this rank's pieces to
-CPU); the thread writes, fsyncs and commits. Its collectives run on a process group of
-their own, created at the first async save of each process group (all ranks reach it together), so they
-never interleave with the training loop's collectives on the default group. At most one
-save is in flight: a new save or a load first waits for the previous one.
+CPU); the thread checks, writes, fsyncs and commits. Its collectives run on a process group
+of their own, created at the first async save (or ``prepare_async_save``) of each default
+group, which all ranks reach together, so they never interleave with the training loop's
+collectives on the default group. At most one save is in flight: a new save or a load first
+waits for the previous one.
 
 Example::
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from vescale.dcheckpoint._collectives import rank_and_world_size
 from vescale.dcheckpoint.saving import SaveResult, StagedSave, write_and_commit
 
-__all__ = ["AsyncSave", "start_async_save", "wait_for_pending_save"]
+__all__ = ["AsyncSave", "background_group", "start_async_save", "wait_for_pending_save"]
 
 _pending: AsyncSave | None = None
 # The background thread's group and the default group it was made from: a new default group
@@ -76,13 +77,18 @@ def wait_for_pending_save() -> None:
         pending.result()
 
 
+def background_group() -> dist.ProcessGroup | None:
+    """The saving thread's process group (created on first use; every rank must call it then)."""
+    global _group
+    if rank_and_world_size()[1] == 1:
+        return None
+    if _group is None or _group[0] is not dist.group.WORLD:
+        _group = (dist.group.WORLD, dist.new_group(backend="gloo"))
+    return _group[1]
+
+
 def start_async_save(staged: StagedSave) -> AsyncSave:
     """Write and commit ``staged`` on a background thread."""
-    global _pending, _group
-    group = None
-    if rank_and_world_size()[1] > 1:
-        if _group is None or _group[0] is not dist.group.WORLD:
-            _group = (dist.group.WORLD, dist.new_group(backend="gloo"))
-        group = _group[1]
-    _pending = AsyncSave(staged, group)
+    global _pending
+    _pending = AsyncSave(staged, background_group())
     return _pending

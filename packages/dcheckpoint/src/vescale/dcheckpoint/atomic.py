@@ -112,6 +112,9 @@ def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
         if (created := _created_ns(child)) is not None
     ]
     dated.sort(reverse=True)
+    # A save killed while pruning leaves a checkpoint renamed away but not yet deleted: finish it.
+    for leftover in root.glob(".*.deleting"):
+        shutil.rmtree(leftover)
     deleted = []
     for _, child in dated[keep_last:]:
         if child.name == latest:

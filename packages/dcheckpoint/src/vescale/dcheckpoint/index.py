@@ -63,6 +63,8 @@ def shard_file_name(rank: int, world_size: int) -> str:
 class ChunkRecord:
     """A saved box of a tensor: its bytes are ``[byte_start, byte_end)`` of ``file``, row-major.
 
+    ``crc32`` is ``None`` only for files that carry no checksums (a Hugging Face checkpoint).
+
     ``key`` names the same bytes in the file's safetensors header (derived, not stored).
     """
 
@@ -71,7 +73,7 @@ class ChunkRecord:
     key: str
     byte_start: int
     byte_end: int
-    crc32: int
+    crc32: int | None
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,13 @@ def _int(value: Any, where: str) -> int:
 
 
 def _ints(value: Any, where: str, length: int | None = None) -> tuple[int, ...]:
+    # The common, valid case first: an index holds tens of thousands of these lists.
+    if (
+        type(value) is list
+        and (length is None or len(value) == length)
+        and all(type(item) is int and item >= 0 for item in value)
+    ):
+        return tuple(value)
     if not isinstance(value, list) or (length is not None and len(value) != length):
         raise _fail(where, f"expected a list of {length if length is not None else 'some'} integers")
     return tuple(_int(item, where) for item in value)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from vescale.dcheckpoint.errors import CheckpointFormatError
 from vescale.dtensor.placements import (
@@ -127,31 +128,23 @@ class TensorLayout:
     placements: tuple[str, ...]
 
     @classmethod
-    def of(cls, tensor: torch.Tensor, world_size: int, name: str = "tensor") -> TensorLayout:
-        """The layout of a DTensor or of a plain tensor every rank holds a copy of."""
+    def of(
+        cls, tensor: torch.Tensor, world_size: int, name: str = "tensor", local: torch.Tensor | None = None
+    ) -> TensorLayout:
+        """The layout of a DTensor or of a plain tensor every rank holds a copy of.
+
+        ``local`` is the DTensor's local tensor when the caller has it already (it saves a
+        ``to_local`` call per tensor).
+        """
         if not isinstance(tensor, DTensor):
             return cls(tuple(tensor.shape), (world_size,), tuple(range(world_size)), ("R",))
-        mesh = tensor.device_mesh
-        texts = tuple(placement_to_string(p) for p in to_vescale_placements(tensor))
-        if any(text.startswith("P") for text in texts):
-            raise CheckpointFormatError(
-                f"{name!r} has a Partial placement {texts}: its local tensors are not its values. "
-                "Redistribute it to Replicate (or Shard) before saving"
-            )
-        mesh_shape, mesh_ranks = _mesh_description(mesh)
-        layout = cls(tuple(tensor.shape), mesh_shape, mesh_ranks, texts)
-        local_shape = tuple(tensor.to_local().shape)
-        coordinate = layout.coordinates().get(dist.get_rank()) if dist.is_initialized() else None
-        try:
-            intervals = layout._intervals(coordinate) if coordinate is not None else ()
-        except CheckpointFormatError as error:
-            raise CheckpointFormatError(f"{name!r}: {error}") from None
-        expected = tuple(sum(length for _, length in dim) for dim in intervals)
-        if coordinate is not None and local_shape != expected:
-            raise CheckpointFormatError(
-                f"{name!r}: the local shard has shape {local_shape} but placements {texts} on mesh "
-                f"{layout.mesh_shape} give {expected}; this placement combination is not supported"
-            )
+        local_shape = tuple((tensor.to_local() if local is None else local).shape)
+        rank = dist.get_rank() if dist.is_initialized() else None
+        layout, problem = _dtensor_layout(
+            tensor.device_mesh, tuple(tensor.placements), tuple(tensor.shape), local_shape, rank
+        )
+        if problem is not None:
+            raise CheckpointFormatError(f"{name!r}{problem}")
         return layout
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - layouts are small immutable values, shared by many tensors
@@ -199,11 +192,12 @@ class TensorLayout:
         grid = itertools.product(*(range(size) for size in self.mesh_shape))
         return dict(zip(self.mesh_ranks, grid, strict=True))
 
-    def local_boxes(self, rank: int) -> list[LocalBox]:
+    @functools.lru_cache(maxsize=16384)  # noqa: B019 - see _intervals; many tensors share a layout
+    def local_boxes(self, rank: int) -> tuple[LocalBox, ...]:
         """The boxes rank ``rank`` holds, with their offsets in its local tensor (empty if none)."""
         coordinate = self.coordinates().get(rank)
         if coordinate is None:
-            return []
+            return ()
         per_dim = []
         for dim_intervals in self._intervals(coordinate):
             local_start, placed = 0, []
@@ -211,7 +205,44 @@ class TensorLayout:
                 placed.append((start, length, local_start))
                 local_start += length
             per_dim.append(placed)
-        return [
+        return tuple(
             LocalBox(Box(tuple(p[0] for p in combo), tuple(p[1] for p in combo)), tuple(p[2] for p in combo))
             for combo in itertools.product(*per_dim)
-        ]
+        )
+
+
+@functools.lru_cache(maxsize=4096)
+def _dtensor_layout(
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    shape: tuple[int, ...],
+    local_shape: tuple[int, ...],
+    rank: int | None,
+) -> tuple[TensorLayout, str | None]:
+    """A DTensor's layout and, if it cannot be checkpointed, why (after the tensor's name).
+
+    Cached: a model's tensors share few (mesh, placements, shape) combinations, and working
+    one out costs more than reading a small tensor.
+    """
+    texts = tuple(placement_to_string(p) for p in to_vescale_placements(placements))
+    mesh_shape, mesh_ranks = _mesh_description(mesh)
+    layout = TensorLayout(shape, mesh_shape, mesh_ranks, texts)
+    if any(text.startswith("P") for text in texts):
+        return layout, (
+            f" has a Partial placement {texts}: its local tensors are not its values. "
+            "Redistribute it to Replicate (or Shard) before saving"
+        )
+    coordinate = layout.coordinates().get(rank) if rank is not None else None
+    if coordinate is None:
+        return layout, None
+    try:
+        intervals = layout._intervals(coordinate)
+    except CheckpointFormatError as error:
+        return layout, f": {error}"
+    expected = tuple(sum(length for _, length in dim) for dim in intervals)
+    if local_shape != expected:
+        return layout, (
+            f": the local shard has shape {local_shape} but placements {texts} on mesh "
+            f"{layout.mesh_shape} give {expected}; this placement combination is not supported"
+        )
+    return layout, None

@@ -91,15 +91,20 @@ class FileHeader:
         return self.data_start + max(ends, default=0)
 
 
-def build_header(entries: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> FileHeader:
-    """Lay out ``{name: (dtype, shape)}`` back to back, in the given order.
+def build_header(
+    entries: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str] | None = None
+) -> FileHeader:
+    """Lay out ``{name: (dtype, shape)}`` back to back, in the given order; ``metadata`` goes into
+    the header's ``__metadata__`` (by default it names this format).
 
     Example::
 
         header = build_header({"a": (torch.float32, (4,)), "b": (torch.int64, ())})
         header.data_offsets == {"a": (0, 16), "b": (16, 24)}
     """
-    header_json: dict[str, object] = {"__metadata__": {"format": "vescale-dcheckpoint"}}
+    header_json: dict[str, object] = {
+        "__metadata__": dict(metadata) if metadata is not None else {"format": "vescale-dcheckpoint"}
+    }
     data_offsets = {}
     position = 0
     for name, (dtype, shape) in entries.items():

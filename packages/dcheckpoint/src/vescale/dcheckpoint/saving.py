@@ -1,11 +1,12 @@
 """The save pipeline: stage (on the caller's thread), then write and commit (on any thread).
 
-Staging does everything that reads the live state: flatten it, check that every rank holds
-the same structure, plan who writes what, and take this rank's pieces (copies for an async
-save, so that later training steps cannot change them). Writing and committing only touch
-the staged pieces and files: rank 0 prepares the directory, each rank writes and fsyncs its shard,
-the ranks exchange their file records, rank 0 writes the index last and commits, and every
-rank learns the outcome, so a failure on any rank fails the save on all of them.
+Staging does everything that reads the live state: flatten it, plan who writes what, and
+take this rank's pieces (copies for an async save, so that later training steps cannot
+change them). Writing and committing only touch the staged pieces and files: the ranks check
+that they hold the same structure (the plan assumed it), rank 0 prepares the directory, each
+rank writes and fsyncs its shard, the ranks exchange their file records, rank 0 writes the
+index last and commits, and every rank learns the outcome, so a failure on any rank fails
+the save on all of them.
 
 Example::
 
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from vescale.dcheckpoint import atomic
 from vescale.dcheckpoint._collectives import all_gather_bytes, rank_and_world_size
@@ -33,9 +35,15 @@ from vescale.dcheckpoint.layout import TensorLayout
 from vescale.dcheckpoint.rng import RNGState
 from vescale.dcheckpoint.safetensors_format import dtype_name
 from vescale.dcheckpoint.state import RNG, flatten_state
-from vescale.dcheckpoint.writer import PlannedChunk, plan_chunks, stage_pieces, write_shard_file
+from vescale.dcheckpoint.writer import (
+    PlannedChunk,
+    plan_chunks,
+    reserve_staging,
+    stage_pieces,
+    write_shard_file,
+)
 
-__all__ = ["SaveResult", "StagedSave", "stage_save", "write_and_commit"]
+__all__ = ["SaveResult", "StagedSave", "prepare_staging", "stage_save", "write_and_commit"]
 
 
 @dataclass(frozen=True)
@@ -63,9 +71,8 @@ class StagedSave:
     keep_last: int | None
 
 
-def _check_same_structure(
-    layouts: dict[str, TensorLayout], dtypes: dict[str, torch.dtype], rank: int
-) -> None:
+def _check_same_structure(staged: StagedSave, group: dist.ProcessGroup | None) -> None:
+    layouts, dtypes, rank = staged.layouts, staged.dtypes, staged.rank
     description = [
         [
             name,
@@ -77,7 +84,7 @@ def _check_same_structure(
         ]
         for name, lay in layouts.items()
     ]
-    digests = all_gather_bytes(hashlib.sha256(json.dumps(description).encode()).digest())
+    digests = all_gather_bytes(hashlib.sha256(json.dumps(description).encode()).digest(), group)
     differing = [other for other, theirs in enumerate(digests) if theirs != digests[0]]
     if differing:
         raise CheckpointMismatchError(
@@ -97,16 +104,38 @@ def stage_save(final: Path, state: dict[str, Any], keep_last: int | None, copy: 
     rank, world_size = rank_and_world_size()
     atomic.check_not_existing(final)
     tensors, objects = flatten_state(state)
-    layouts = {name: TensorLayout.of(tensor, world_size, name) for name, tensor in tensors.items()}
+    locals_by_name = {name: t.to_local() if isinstance(t, DTensor) else t for name, t in tensors.items()}
+    layouts = {
+        name: TensorLayout.of(tensor, world_size, name, locals_by_name[name])
+        for name, tensor in tensors.items()
+    }
     dtypes = {name: tensor.dtype for name, tensor in tensors.items()}
-    _check_same_structure(layouts, dtypes, rank)
     plan = plan_chunks(layouts, dtypes)
     mine = [chunk for chunk in plan if chunk.writer_rank == rank]
-    pieces = stage_pieces(mine, tensors, layouts, rank, copy=copy)
+    pieces = stage_pieces(mine, locals_by_name, layouts, rank, copy=copy)
     rng = RNGState.capture() if any(entry["kind"] == RNG for entry in objects.values()) else None
     # JSON now, so that later changes to the live objects cannot reach an async save.
     objects = json.loads(json.dumps(objects))
     return StagedSave(final, rank, world_size, plan, mine, pieces, layouts, dtypes, objects, rng, keep_last)
+
+
+def prepare_staging(state: dict[str, Any]) -> int:
+    """Reserve the staging memory an async save of ``state`` needs on this rank; return its size.
+
+    Example::
+
+        prepare_staging({"model": model, "optimizer": optimizer})   # bytes now resident
+    """
+    rank, world_size = rank_and_world_size()
+    tensors, _ = flatten_state(state)
+    layouts = {
+        name: TensorLayout.of(
+            tensor, world_size, name, tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        )
+        for name, tensor in tensors.items()
+    }
+    plan = plan_chunks(layouts, {name: tensor.dtype for name, tensor in tensors.items()})
+    return reserve_staging([chunk for chunk in plan if chunk.writer_rank == rank])
 
 
 def _index_body(staged: StagedSave, payloads: list[dict]) -> dict[str, Any]:
@@ -191,6 +220,8 @@ def write_and_commit(staged: StagedSave, group: dist.ProcessGroup | None = None)
         result = write_and_commit(stage_save(Path("ckpt/step-100"), state, keep_last=None, copy=False))
         result.bytes_written
     """
+    # Checked here rather than while staging, so that an async save does not block on it.
+    _check_same_structure(staged, group)
     _prepare_directory(staged, group)
     record, failure = None, None
     try:

@@ -3,12 +3,37 @@ parallel and ZeRO.
 
 Example::
 
-    import vescale.dpipe
-    print(vescale.dpipe.__version__)
+    from vescale.dpipe import PipelinePlan, pipeline_parallelize
+    model = pipeline_parallelize(model, init_mesh(pp=2), PipelinePlan(size=2, num_microbatches=4))
+    model(input_ids=input_ids, labels=labels).loss.backward()
 """
 
 from importlib.metadata import version as _distribution_version
 
-__all__ = ["__version__"]
+from vescale.dpipe.errors import (
+    MicrobatchError,
+    PipelineCutError,
+    PipelineError,
+    PipelinePlanError,
+    SplitPointError,
+    StageCountError,
+)
+from vescale.dpipe.pipeline_module import PipelineModule, pipeline_parallelize
+from vescale.dpipe.plan import SCHEDULES, SPLIT_METHODS, PipelinePlan
+
+__all__ = [
+    "SCHEDULES",
+    "SPLIT_METHODS",
+    "MicrobatchError",
+    "PipelineCutError",
+    "PipelineError",
+    "PipelineModule",
+    "PipelinePlan",
+    "PipelinePlanError",
+    "SplitPointError",
+    "StageCountError",
+    "__version__",
+    "pipeline_parallelize",
+]
 
 __version__ = _distribution_version("vescale-dpipe")

@@ -1,0 +1,239 @@
+"""``pipeline_parallelize``: wrap a model so that one call runs the whole pipeline schedule.
+
+The user's loop stays ``out = model(**batch); out.loss.backward(); optimizer.step()``: the
+call cuts the batch into micro-batches, runs the forward and backward passes of every
+micro-batch on every stage, sums tied parameters' gradients across the stages that hold
+them and returns the model's own output type. ``out.loss`` is the mean of the micro-batch
+losses on every rank and its ``backward()`` does nothing (the schedule already ran it).
+Under ``torch.no_grad()`` or ``model.eval()`` the call runs forward only.
+
+Example::
+
+    model = pipeline_parallelize(model, init_mesh(pp=2), PipelinePlan(size=2, num_microbatches=4))
+    out = model(input_ids=input_ids, labels=labels)
+    out.loss.backward(); optimizer.step()
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+
+from vescale.dpipe.errors import MicrobatchError, PipelinePlanError
+from vescale.dpipe.plan import PipelinePlan
+from vescale.dpipe.schedules import build_schedule, local_stage_indices
+from vescale.dpipe.split import StageLayout, split_model
+from vescale.dpipe.stage_module import PipelineStageModule, StageRouter
+from vescale.dpipe.tracing import ModelTrace, default_example_batch, trace_model
+
+__all__ = ["PipelineModule", "pipeline_parallelize"]
+
+logger = logging.getLogger("vescale.dpipe")
+
+
+class _BackwardAlreadyRan(torch.autograd.Function):
+    """Identity on the loss whose backward stops: the schedule has already run backward."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[None, None]:
+        return None, None
+
+
+def _loss_of_last_stage(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    # The last stage returns (loss, logits): the model computed its own loss from the labels.
+    return output[0]
+
+
+class PipelineModule(nn.Module):
+    """A model cut into pipeline stages; this rank holds :attr:`stage_indices` of them.
+
+    Build it with :func:`pipeline_parallelize`. ``parameters()`` lists only this rank's.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: PipelinePlan,
+        layout: StageLayout,
+        trace: ModelTrace,
+        mesh: DeviceMesh | None,
+    ) -> None:
+        super().__init__()
+        self.module = model
+        self.plan = plan
+        self.layout = layout
+        self.pp_group = mesh.get_group("pp") if mesh is not None else dist.group.WORLD
+        self.pp_rank = dist.get_rank(self.pp_group)
+        self.device = _current_device(mesh.device_type if mesh is not None else "cpu")
+        self.stage_indices = local_stage_indices(plan, self.pp_rank)
+        self._output_type = trace.output_type
+        self._tied_parameters = _tied_parameters(model, layout)
+        router = StageRouter(model, layout, trace, self.stage_indices)
+        model_kwargs = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
+        self._stage_modules = [
+            PipelineStageModule(model, router, index, model_kwargs) for index in self.stage_indices
+        ]
+        self._schedules: dict[tuple, Any] = {}
+        self._anchor = torch.zeros((), requires_grad=True)
+
+    def forward(self, **batch: Any) -> Any:
+        batch_size = _batch_size(batch)
+        if batch_size % self.plan.num_microbatches:
+            raise MicrobatchError(
+                f"a batch of {batch_size} samples cannot be cut into {self.plan.num_microbatches} equal "
+                f"micro-batches; use a batch size that is a multiple of num_microbatches="
+                f"{self.plan.num_microbatches}"
+            )
+        training = self.training and torch.is_grad_enabled()
+        has_labels = batch.get("labels") is not None
+        schedule = self._schedule(batch, training, has_labels)
+        losses: list[torch.Tensor] = []
+        target = torch.zeros(batch_size, 1) if has_labels else None
+        for module in self._stage_modules:
+            module.logits.clear()
+        run = schedule.step if training else schedule.eval
+        run(**batch, target=target, losses=losses if has_labels else None, return_outputs=False)
+        if training and has_labels:
+            self._finish_gradients()
+        loss = self._broadcast_loss(losses) if has_labels else None
+        if loss is not None and training:
+            loss = _BackwardAlreadyRan.apply(self._anchor, loss)
+        logits = None
+        last_stage_module = self._stage_modules[-1]
+        if last_stage_module.is_last:
+            # A new schedule's first step also runs PyTorch's shape-inference forward: keep the last m.
+            logits = torch.cat(last_stage_module.logits[-self.plan.num_microbatches :])
+        return self._output_type(loss=loss, logits=logits)
+
+    def _schedule(self, batch: Mapping[str, Any], training: bool, has_labels: bool) -> Any:
+        # PyTorch stages fix their activation shapes on first use: one schedule per input shape.
+        key = (
+            training,
+            has_labels,
+            tuple((name, tuple(getattr(value, "shape", ()))) for name, value in batch.items()),
+        )
+        if key not in self._schedules:
+            stages = [
+                PipelineStage(
+                    module, module.stage_index, self.plan.num_stages, self.device, group=self.pp_group
+                )
+                for module in self._stage_modules
+            ]
+            loss_fn = _loss_of_last_stage if has_labels else None
+            self._schedules[key] = build_schedule(self.plan, stages, loss_fn)
+        return self._schedules[key]
+
+    def _finish_gradients(self) -> None:
+        # PyTorch's schedules accumulate the micro-batches' gradients unscaled; divide once per
+        # parameter (a tied parameter may sit in two stages of this rank).
+        for parameter in self.module.parameters():
+            if parameter.grad is not None:
+                parameter.grad.div_(self.plan.num_microbatches)
+        for fqn, owner_stages, parameter, shape_and_dtype in self._tied_parameters:
+            if not owner_stages.intersection(self.stage_indices):
+                summed = torch.zeros(*shape_and_dtype[0], dtype=shape_and_dtype[1], device=self.device)
+            else:
+                if parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+                summed = parameter.grad
+            # Ranks without the parameter add zeros, which keeps the sum exact and the call collective.
+            dist.all_reduce(summed, group=self.pp_group)
+            logger.debug("summed the gradient of tied parameter %s over stages %s", fqn, sorted(owner_stages))
+
+    def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        last_stage_rank = _stage_rank(self.plan, self.plan.num_stages - 1)
+        if losses:
+            loss = torch.stack([micro_loss.detach() for micro_loss in losses]).sum() / len(losses)
+        else:
+            loss = torch.zeros((), device=self.device)
+        dist.broadcast(loss, group=self.pp_group, group_src=last_stage_rank)
+        return loss
+
+    def activation_bytes(self) -> dict[int, int]:
+        """Bytes each local stage saved for backward in its last micro-batch forward (measured).
+
+        Example::
+
+            out = model(**batch)
+            print(model.activation_bytes())   # {stage_index: bytes}
+        """
+        return {module.stage_index: module.saved_activation_bytes for module in self._stage_modules}
+
+
+def _stage_rank(plan: PipelinePlan, stage_index: int) -> int:
+    return next(rank for rank in range(plan.size) if stage_index in local_stage_indices(plan, rank))
+
+
+def _current_device(device_type: str) -> torch.device:
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, torch.get_device_module(device_type).current_device())
+
+
+def _batch_size(batch: Mapping[str, Any]) -> int:
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0]
+    raise MicrobatchError(
+        f"the batch {sorted(batch)} has no tensor with a batch dimension to cut into micro-batches"
+    )
+
+
+def _tied_parameters(
+    model: nn.Module, layout: StageLayout
+) -> list[tuple[str, set[int], nn.Parameter, tuple]]:
+    """Parameters that more than one stage holds (e.g. GPT-2's wte and lm_head), with their stages."""
+    owners: dict[int, tuple[str, set[int], nn.Parameter]] = {}
+    for unit_fqn, stage_index in layout.unit_stage.items():
+        for name, parameter in model.get_submodule(unit_fqn).named_parameters(remove_duplicate=False):
+            owners.setdefault(id(parameter), (f"{unit_fqn}.{name}", set(), parameter))[1].add(stage_index)
+    return [
+        (fqn, stages, parameter, (tuple(parameter.shape), parameter.dtype))
+        for fqn, stages, parameter in owners.values()
+        if len(stages) > 1
+    ]
+
+
+def pipeline_parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    plan: PipelinePlan,
+    example_batch: Mapping[str, Any] | None = None,
+) -> PipelineModule:
+    """Cut ``model`` into the stages of ``plan`` and keep this rank's; the model class is untouched.
+
+    ``mesh`` needs a ``pp`` dimension of size ``plan.size`` (``None``: the whole world is the
+    pipeline). ``example_batch`` (default: 16 zero token ids) drives the one fake-tensor pass
+    that finds the module order and FLOPs.
+
+    Example::
+
+        pipe = pipeline_parallelize(model, init_mesh(pp=2), PipelinePlan(size=2, num_microbatches=2))
+        loss = pipe(input_ids=input_ids, labels=labels).loss
+    """
+    pp_size = mesh.size(mesh.mesh_dim_names.index("pp")) if mesh is not None and _has_pp(mesh) else None
+    if mesh is not None and pp_size is None:
+        raise PipelinePlanError(
+            f"the mesh {mesh.mesh_dim_names} has no 'pp' dimension; build it with init_mesh(pp=...)"
+        )
+    world = pp_size if mesh is not None else dist.get_world_size()
+    if world != plan.size:
+        raise PipelinePlanError(f"PipelinePlan.size is {plan.size} but the pp dimension has {world} ranks")
+    trace = trace_model(model, example_batch if example_batch is not None else default_example_batch(model))
+    layout = split_model(model, plan, trace)
+    return PipelineModule(model, plan, layout, trace, mesh)
+
+
+def _has_pp(mesh: DeviceMesh) -> bool:
+    return mesh.mesh_dim_names is not None and "pp" in mesh.mesh_dim_names

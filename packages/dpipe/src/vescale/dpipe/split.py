@@ -1,0 +1,230 @@
+"""Where to cut an unmodified model into pipeline stages.
+
+The model is seen as a sequence of *units* in execution order: the repeated blocks (the
+longest ``nn.ModuleList`` of same-class modules) and every other module that owns parameters
+outside the blocks (embeddings, final norm, head). A stage is a contiguous run of units; a
+cut sits before a block or before a unit that runs after the blocks, where the hidden state
+is the only value that flows on. Cuts are given as module FQNs or chosen over the blocks:
+uniformly, or balancing parameter counts or FLOPs.
+
+Example::
+
+    layout = split_model(model, PipelinePlan(size=2), trace_model(model, default_example_batch(model)))
+    assert layout.boundaries == ("model.layers.1",)
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from torch import nn
+
+from vescale.dpipe.errors import PipelineCutError, PipelinePlanError, SplitPointError, StageCountError
+from vescale.dpipe.plan import PipelinePlan
+from vescale.dpipe.tracing import ModelTrace
+
+__all__ = ["StageLayout", "find_blocks", "split_model"]
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """The cut of a model: the module starting each stage after the first, and each unit's stage."""
+
+    boundaries: tuple[str, ...]
+    unit_stage: dict[str, int]
+    block_fqns: tuple[str, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.boundaries) + 1
+
+    def units_of(self, stage_index: int) -> list[str]:
+        """The unit FQNs that ``stage_index`` owns, in execution order."""
+        return [fqn for fqn, stage in self.unit_stage.items() if stage == stage_index]
+
+
+def find_blocks(model: nn.Module) -> tuple[str, ...]:
+    """The FQNs of the model's repeated blocks: the longest ``ModuleList`` of same-class modules.
+
+    Example::
+
+        assert find_blocks(llama)[0] == "model.layers.0"
+    """
+    best: tuple[str, ...] = ()
+    for fqn, module in model.named_modules():
+        same_class = len({type(child) for child in module.children()}) == 1
+        if isinstance(module, nn.ModuleList) and len(module) > len(best) and same_class:
+            prefix = f"{fqn}." if fqn else ""
+            best = tuple(f"{prefix}{index}" for index in range(len(module)))
+    return best
+
+
+def split_model(model: nn.Module, plan: PipelinePlan, trace: ModelTrace) -> StageLayout:
+    """Cut ``model`` into ``plan.num_stages`` stages as ``plan`` says; raise a typed error if it cannot.
+
+    Example::
+
+        layout = split_model(model, PipelinePlan(size=2, split_method="params"), trace)
+        print(layout.units_of(0))
+    """
+    block_fqns = find_blocks(model)
+    units = _units_in_order(model, block_fqns, trace)
+    if plan.split_method == "manual":
+        boundaries = tuple(plan.split_points)
+    else:
+        if not block_fqns:
+            raise PipelineCutError(
+                f"{type(model).__name__} has no nn.ModuleList of repeated blocks to split "
+                f"'{plan.split_method}'; give split_method='manual' and split_points"
+            )
+        if plan.num_stages > len(block_fqns):
+            raise StageCountError(
+                f"PipelinePlan asks for {plan.num_stages} stages but {type(model).__name__} has only "
+                f"{len(block_fqns)} blocks ({block_fqns[0]} .. {block_fqns[-1]}); lower size or "
+                "virtual_stages"
+            )
+        if plan.split_method == "uniform":
+            cuts = _uniform_cuts(len(block_fqns), plan.num_stages)
+        else:
+            cuts = _balanced_cuts(
+                _block_costs(model, plan.split_method, block_fqns, units, trace), plan.num_stages
+            )
+        boundaries = tuple(block_fqns[index] for index in cuts)
+    _check_boundaries(model, boundaries, block_fqns, units, trace)
+    unit_stage = {
+        unit: sum(trace.call_index[cut] <= trace.call_index[unit] for cut in boundaries) for unit in units
+    }
+    layout = StageLayout(boundaries, unit_stage, block_fqns)
+    for stage_index in range(layout.num_stages):
+        if not layout.units_of(stage_index):
+            raise StageCountError(
+                f"stage {stage_index} would own no parameters with split points {list(boundaries)}; "
+                "each stage needs at least one block or other module with parameters"
+            )
+    return layout
+
+
+def _units_in_order(model: nn.Module, block_fqns: tuple[str, ...], trace: ModelTrace) -> list[str]:
+    blocks = set(block_fqns)
+    units: list[str] = []
+    for fqn, module in model.named_modules():
+        if fqn in blocks:
+            units.append(fqn)
+            continue
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        if any(_is_inside(fqn, unit) for unit in units):
+            continue
+        inner_blocks = [block for block in block_fqns if _is_inside(block, fqn)]
+        if inner_blocks or fqn == "":
+            raise PipelineCutError(
+                f"module {fqn or type(model).__name__!r} uses its own parameters around the blocks "
+                f"({inner_blocks[:1]}); dpipe splits models whose parameters live in embeddings, "
+                "blocks, norms and heads, so move the parameter into a submodule"
+            )
+        units.append(fqn)
+    # Modules that never ran (unused) go first: stage 0 keeps them and they receive no gradient.
+    return sorted(units, key=lambda unit: trace.call_index.get(unit, -1))
+
+
+def _is_inside(fqn: str, ancestor: str) -> bool:
+    return ancestor == "" or fqn.startswith(f"{ancestor}.")
+
+
+def _check_boundaries(
+    model: nn.Module,
+    boundaries: tuple[str, ...],
+    block_fqns: tuple[str, ...],
+    units: list[str],
+    trace: ModelTrace,
+) -> None:
+    module_fqns = [fqn for fqn, _ in model.named_modules() if fqn]
+    last_block_index = trace.call_index.get(block_fqns[-1], -1) if block_fqns else -1
+    for cut in boundaries:
+        if cut not in module_fqns:
+            closest = difflib.get_close_matches(cut, module_fqns, n=3, cutoff=0.5)
+            raise SplitPointError(
+                f"split point {cut!r} names no module of {type(model).__name__}; closest: {closest}"
+            )
+        if cut not in trace.call_index:
+            children = [
+                fqn for fqn in module_fqns if fqn.startswith(f"{cut}.") and "." not in fqn[len(cut) + 1 :]
+            ]
+            raise PipelineCutError(
+                f"cannot cut before {cut!r}: it never runs in forward (a container is not called); "
+                f"cut before one of its children, e.g. {children[:2]}"
+            )
+        enclosing = [unit for unit in units if _is_inside(cut, unit)]
+        if enclosing:
+            raise PipelineCutError(
+                f"cannot cut before {cut!r}: it runs inside {enclosing[0]!r}, whose other values (e.g. a "
+                f"residual stream) would not reach the next stage; cut before {enclosing[0]!r} or the "
+                "unit after it"
+            )
+        inner = [unit for unit in units if _is_inside(unit, cut)]
+        is_block = cut in block_fqns
+        if not is_block and (inner or trace.call_index[cut] < last_block_index):
+            raise PipelineCutError(
+                f"cannot cut before {cut!r}: only the hidden state crosses a stage boundary, and at "
+                f"{cut!r} it is not the module's only input; cut before a block (e.g. "
+                f"{block_fqns[1:2] or block_fqns[:1]}) or before a module that runs after the blocks"
+            )
+    order = [trace.call_index[cut] for cut in boundaries]
+    if order != sorted(set(order)):
+        raise PipelinePlanError(f"split points {list(boundaries)} must be distinct and in execution order")
+    first_block_index = trace.call_index.get(block_fqns[0], len(trace.call_index)) if block_fqns else 0
+    for unit in units:
+        module = model.get_submodule(unit)
+        if trace.call_index.get(unit, -1) < first_block_index and not isinstance(module, nn.Embedding):
+            raise PipelineCutError(
+                f"cannot split {type(model).__name__}: {unit!r} ({type(module).__name__}) runs before the "
+                "blocks and is not an embedding, so later stages cannot skip it without knowing its output"
+            )
+
+
+def _block_costs(
+    model: nn.Module, method: str, block_fqns: tuple[str, ...], units: list[str], trace: ModelTrace
+) -> list[float]:
+    first, last = trace.call_index[block_fqns[0]], trace.call_index[block_fqns[-1]]
+    if method == "params":
+        counts = {unit: sum(p.numel() for p in model.get_submodule(unit).parameters()) for unit in units}
+        costs = [float(counts[block]) for block in block_fqns]
+        costs[0] += sum(count for unit, count in counts.items() if trace.call_index.get(unit, -1) < first)
+        costs[-1] += sum(count for unit, count in counts.items() if trace.call_index.get(unit, -1) > last)
+        return costs
+    costs = [float(trace.forward_flops[block]) for block in block_fqns]
+    # What runs before the first block (embeddings) and after the last (norm, head, loss).
+    costs[0] += trace.flops_before[block_fqns[0]]
+    costs[-1] += trace.total_flops - trace.flops_before[block_fqns[-1]] - trace.forward_flops[block_fqns[-1]]
+    return costs
+
+
+def _uniform_cuts(num_blocks: int, num_stages: int) -> list[int]:
+    """Indices where stages 1.. start: equal block counts, the first stages take the remainder."""
+    sizes = [num_blocks // num_stages + (stage < num_blocks % num_stages) for stage in range(num_stages)]
+    return [sum(sizes[:stage]) for stage in range(1, num_stages)]
+
+
+def _balanced_cuts(costs: list[float], num_stages: int) -> list[int]:
+    """Indices where stages 1.. start, minimising the costliest stage (ties: earlier cuts)."""
+    count = len(costs)
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    infinity = float("inf")
+    # best[s][i]: the smallest possible maximum over s stages covering costs[:i]
+    best = [[infinity] * (count + 1) for _ in range(num_stages + 1)]
+    cut_at = [[0] * (count + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for stages in range(1, num_stages + 1):
+        for end in range(stages, count + 1):
+            for start in range(stages - 1, end):
+                candidate = max(best[stages - 1][start], prefix[end] - prefix[start])
+                if candidate < best[stages][end]:
+                    best[stages][end], cut_at[stages][end] = candidate, start
+    cuts, end = [], count
+    for stages in range(num_stages, 0, -1):
+        end = cut_at[stages][end]
+        cuts.append(end)
+    return sorted(cuts)[1:]

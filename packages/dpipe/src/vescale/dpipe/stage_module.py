@@ -1,0 +1,167 @@
+"""Run one pipeline stage of an unmodified model by running the model's own forward.
+
+A stage calls the whole model's ``forward`` with the micro-batch's keyword arguments. The
+units (blocks, embeddings, norms, heads) that belong to earlier stages are skipped (a block
+passes its input through, an embedding returns zeros of its output shape); at the stage's
+first module a forward pre-hook swaps the received hidden state in; at the next stage's
+first module another pre-hook stops the forward by raising :class:`_StageExit` with that
+module's input, which is what the stage sends on. Masks, position ids and rotary tables are
+recomputed by each stage from the batch, exactly as the model computes them.
+
+Example::
+
+    router = StageRouter(model, layout, trace, local_stages=[1])
+    stage_module = PipelineStageModule(model, router, stage_index=1, model_kwargs={"use_cache": False})
+    hidden_out = stage_module(hidden_in, input_ids=input_ids)
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from vescale.dpipe.errors import PipelineCutError
+from vescale.dpipe.split import StageLayout
+from vescale.dpipe.tracing import ModelTrace
+
+__all__ = ["PipelineStageModule", "StageRouter"]
+
+
+class _StageExit(Exception):
+    """Raised at the next stage's first module; carries the hidden state this stage sends on."""
+
+    def __init__(self, hidden_state: torch.Tensor) -> None:
+        super().__init__("pipeline stage boundary reached")
+        self.hidden_state = hidden_state
+
+
+def _hidden_state_of(module_fqn: str, args: tuple, kwargs: dict) -> torch.Tensor:
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return kwargs["hidden_states"]
+    raise PipelineCutError(
+        f"cannot cut before {module_fqn!r}: its first argument is not a tensor (nor is a "
+        "'hidden_states' keyword), so there is no hidden state to pass between stages"
+    )
+
+
+class StageRouter:
+    """Installs the skip, entry and exit logic on ``model`` and frees other stages' parameters.
+
+    ``local_stages`` are the stage indices this rank runs; parameters of every other stage's
+    units are set to ``None`` (``model.parameters()`` then lists only this rank's).
+    """
+
+    def __init__(
+        self, model: nn.Module, layout: StageLayout, trace: ModelTrace, local_stages: list[int]
+    ) -> None:
+        self.layout = layout
+        self.active_stage: int | None = None
+        self.received: torch.Tensor | None = None
+        for unit_fqn, stage_index in layout.unit_stage.items():
+            self._gate(model.get_submodule(unit_fqn), stage_index, trace.returns_tensor.get(unit_fqn, True))
+        for boundary_index, boundary_fqn in enumerate(layout.boundaries):
+            # Boundary k is where stage k ends and stage k + 1 starts.
+            model.get_submodule(boundary_fqn).register_forward_pre_hook(
+                self._boundary_hook(boundary_fqn, boundary_index), with_kwargs=True
+            )
+        for unit_fqn, stage_index in layout.unit_stage.items():
+            if stage_index not in local_stages:
+                for module in model.get_submodule(unit_fqn).modules():
+                    names = [
+                        name for name, _ in module.named_parameters(recurse=False, remove_duplicate=False)
+                    ]
+                    for name in names:
+                        # None keeps the attribute (the module still builds) but drops the storage.
+                        module.register_parameter(name, None)
+
+    def _gate(self, unit: nn.Module, unit_stage: int, returns_tensor: bool) -> None:
+        original_forward = unit.forward
+        router = self
+        if isinstance(unit, nn.Embedding):
+            embedding_dim, dtype = unit.embedding_dim, unit.weight.dtype
+
+            def skipped(*args: Any, **kwargs: Any) -> Any:
+                return torch.zeros(*args[0].shape, embedding_dim, dtype=dtype, device=args[0].device)
+        else:
+
+            def skipped(*args: Any, **kwargs: Any) -> Any:
+                hidden_state = args[0] if args else kwargs["hidden_states"]
+                return hidden_state if returns_tensor else (hidden_state,)
+
+        def gated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if router.active_stage is not None and unit_stage < router.active_stage:
+                return skipped(*args, **kwargs)
+            return original_forward(*args, **kwargs)
+
+        # An instance attribute shadows the class's forward; the model class stays untouched.
+        unit.forward = types.MethodType(gated_forward, unit)
+
+    def _boundary_hook(self, boundary_fqn: str, boundary_index: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if self.active_stage == boundary_index:
+                raise _StageExit(_hidden_state_of(boundary_fqn, args, kwargs))
+            if self.active_stage == boundary_index + 1:
+                if args and isinstance(args[0], torch.Tensor):
+                    return (self.received, *args[1:]), kwargs
+                _hidden_state_of(boundary_fqn, args, kwargs)
+                return args, {**kwargs, "hidden_states": self.received}
+            return None
+
+        return hook
+
+
+class PipelineStageModule(nn.Module):
+    """The ``nn.Module`` that torch's ``PipelineStage`` runs for one stage of the model.
+
+    Its parameters are the stage's own units'; it reports the bytes its last micro-batch
+    forward saved for backward (parameters excluded) in :attr:`saved_activation_bytes`.
+    """
+
+    def __init__(self, model: nn.Module, router: StageRouter, stage_index: int, model_kwargs: dict) -> None:
+        super().__init__()
+        self.stage_index = stage_index
+        self.is_last = stage_index == router.layout.num_stages - 1
+        self.saved_activation_bytes = 0
+        # The last stage's logits of each forward, detached (the caller clears the list).
+        self.logits: list[torch.Tensor] = []
+        # The model is shared by all stages of a rank: keep it out of this module's children.
+        self._stage_context = (model, router, model_kwargs)
+        self.units = nn.ModuleDict(
+            {fqn.replace(".", "/"): model.get_submodule(fqn) for fqn in router.layout.units_of(stage_index)}
+        )
+
+    def forward(self, *received: torch.Tensor, **batch: Any) -> Any:
+        model, router, model_kwargs = self._stage_context
+        router.active_stage, router.received = self.stage_index, (received[0] if received else None)
+        parameter_storages = {p.untyped_storage().data_ptr() for p in self.parameters()}
+        saved_storages: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in parameter_storages:
+                saved_storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                output = model(**batch, **model_kwargs)
+        except _StageExit as stage_exit:
+            return stage_exit.hidden_state
+        finally:
+            router.active_stage, router.received = None, None
+            self.saved_activation_bytes = sum(saved_storages.values())
+        if not self.is_last:
+            raise PipelineCutError(
+                f"stage {self.stage_index} ran to the end of the model's forward without reaching "
+                f"{router.layout.boundaries[self.stage_index]!r}; the model skipped that module for "
+                "this input, so it cannot be cut there"
+            )
+        loss = getattr(output, "loss", None)
+        logits = getattr(output, "logits", output)
+        self.logits.append(logits.detach())
+        return (loss, logits) if loss is not None else logits

@@ -1,6 +1,7 @@
 """veScale on an accelerator mesh (CUDA/NCCL): the checks CI's CPU machines cannot run.
 
     torchrun --nproc-per-node <GPUs> tools/cuda_check.py        # one rank per GPU (1 works too)
+    torchrun --nproc-per-node 2 tools/cuda_check.py --backend gloo    # 2 ranks sharing one GPU
 
 Each rank builds a tiny ``transformers`` Llama twice: the reference eagerly on its GPU (the
 same seed, so the same weights), and veScale's with ``deferred_init``, tensor parallel over
@@ -13,6 +14,7 @@ activation (runs, the right shape and keep rate). Rank 0 prints one line per che
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 
@@ -44,19 +46,28 @@ def report(name: str, ok: bool, detail: str) -> bool:
 
 
 def main() -> None:
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--backend",
+        default="nccl" if torch.cuda.is_available() else "gloo",
+        help="gloo lets several ranks share one GPU (NCCL needs one GPU per rank)",
+    )
+    arguments = parser.parse_args()
+    dist.init_process_group(arguments.backend)
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    mesh = init_mesh(dp=1, tp=dist.get_world_size())
+    mesh = init_mesh(
+        device_type="cuda" if torch.cuda.is_available() else "cpu", dp=1, tp=dist.get_world_size()
+    )
     device = torch.device(mesh.device_type, torch.cuda.current_device() if torch.cuda.is_available() else 0)
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     results = [
         report(
             "mesh",
             mesh.device_type == expected,
-            f"device type {mesh.device_type!r} from backend {dist.get_backend()}",
+            f"device type {mesh.device_type!r}, backend {dist.get_backend()}",
         )
     ]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from vescale.doptim import (
     DDP,
@@ -39,6 +39,15 @@ def error_messages() -> dict[str, str]:
         distribute_tensor(other_mesh.weight.detach(), init_mesh(tp=2), [Shard(0)])
     )
     capture("wrong_mesh", lambda: DDP(other_mesh, init_mesh(dp=2)), DataParallelMeshError)
+    half_distributed = torch.nn.Linear(4, 4)
+    half_distributed.weight = torch.nn.Parameter(
+        distribute_tensor(half_distributed.weight.detach(), init_mesh(dp=2), [Replicate()])
+    )
+    capture(
+        "zero3_plain",
+        lambda: data_parallel(half_distributed, init_mesh(dp=2), zero_stage=3),
+        DataParallelMeshError,
+    )
     model = torch.nn.Linear(2, 2)
     early_optimizer = torch.optim.AdamW(model.parameters())
     capture("order", lambda: DistributedOptimizer(early_optimizer), OptimizerOrderError)
@@ -62,3 +71,5 @@ def test_errors_name_the_problem_and_the_fix():
     assert "Apply the stage first, then build the optimizer" in messages["order"]
     assert "zero_stage must be one of (0, 1, 2, 3), not 5" in messages["stage"]
     assert "data-parallel already" in messages["twice"]
+    assert "parameter 'bias' is a plain tensor while others are DTensors" in messages["zero3_plain"]
+    assert "parallelize the whole model" in messages["zero3_plain"]

@@ -28,6 +28,7 @@ from vescale.doptim.errors import (
     OptimizerOrderError,
 )
 from vescale.doptim.optimizer import DistributedOptimizer
+from vescale.doptim.plan import DataParallelPlan
 
 __all__ = [
     "DDP",
@@ -35,6 +36,7 @@ __all__ = [
     "DOptimError",
     "DataParallelConfigError",
     "DataParallelMeshError",
+    "DataParallelPlan",
     "DistributedOptimizer",
     "OptimizerOrderError",
     "__version__",

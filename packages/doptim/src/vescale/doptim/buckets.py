@@ -8,11 +8,16 @@ length is padded to a multiple of the data-parallel size so that rank ``r`` owns
 chunk ``[r * chunk, (r + 1) * chunk)`` (ZeRO stages 1 and 2); a parameter may straddle
 chunks, so each rank holds ragged ranges of some parameters.
 
+Under ZeRO-2 a bucket's full buffer exists only while it is being filled and reduced
+(``lazy=True``): allocated when its first gradient arrives, released once its
+reduce-scatter has left this rank's chunk in ``grad_chunk``, so a rank holds full-size
+gradients of at most the buckets in flight and 1/dp of the rest.
+
 Example::
 
     buckets = build_buckets(named_parameters, bucket_size_bytes=2**20, dp_size=2, grad_dtype=torch.float32)
     slot = buckets[0].slots[0]
-    grad_view = buckets[0].grad_view(slot)    # shaped like the parameter's local tensor
+    grad_view = buckets[0].grad_view(slot)    # shaped like the parameter's local tensor (allocates if lazy)
 """
 
 from __future__ import annotations
@@ -57,7 +62,10 @@ class Bucket:
     slots: list[ParamSlot]
     padded_numel: int
     dp_size: int
-    grad_buffer: torch.Tensor
+    grad_dtype: torch.dtype
+    device: torch.device
+    # None while a lazy (ZeRO-2) bucket holds no gradient.
+    grad_buffer: torch.Tensor | None = None
     # ZeRO-2: this rank's chunk of the averaged bucket (the full buffer is not reduced).
     grad_chunk: torch.Tensor | None = None
     ready: set[int] = field(default_factory=set)
@@ -71,9 +79,22 @@ class Bucket:
         """``[start, end)`` of dp rank ``dp_rank``'s chunk of the bucket."""
         return dp_rank * self.chunk_numel, (dp_rank + 1) * self.chunk_numel
 
+    def allocate_grad_buffer(self) -> torch.Tensor:
+        """The full gradient buffer, zero-filled when it does not exist yet."""
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
+        return self.grad_buffer
+
+    def allocate_grad_chunk(self) -> torch.Tensor:
+        """This rank's chunk of the reduced gradient (ZeRO-2), allocated on first use."""
+        if self.grad_chunk is None:
+            self.grad_chunk = torch.empty(self.chunk_numel, dtype=self.grad_dtype, device=self.device)
+        return self.grad_chunk
+
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:
         """The parameter's gradient inside the bucket, shaped like its local tensor."""
-        return self.grad_buffer[slot.offset : slot.offset + slot.numel].view(slot.local_shape)
+        flat = self.allocate_grad_buffer()
+        return flat[slot.offset : slot.offset + slot.numel].view(slot.local_shape)
 
 
 def build_buckets(
@@ -82,9 +103,11 @@ def build_buckets(
     bucket_size_bytes: int,
     dp_size: int,
     grad_dtype: torch.dtype,
+    lazy: bool = False,
 ) -> list[Bucket]:
     """Pack the parameters, last first, into buckets of at most ``bucket_size_bytes`` and one parameter
-    dtype each (one parameter larger than that gets a bucket of its own).
+    dtype each (one parameter larger than that gets a bucket of its own). ``lazy=True`` allocates no
+    gradient buffer until a gradient arrives (ZeRO-2).
 
     Example::
 
@@ -112,6 +135,8 @@ def build_buckets(
             offset += local.numel()
         padded_numel = -(-offset // dp_size) * dp_size
         device = local_tensor(group[0][1]).device
-        grad_buffer = torch.zeros(padded_numel, dtype=grad_dtype, device=device)
-        buckets.append(Bucket(index, slots, padded_numel, dp_size, grad_buffer))
+        bucket = Bucket(index, slots, padded_numel, dp_size, grad_dtype, device)
+        if not lazy:
+            bucket.allocate_grad_buffer()
+        buckets.append(bucket)
     return buckets

@@ -49,10 +49,19 @@ class GradPiece:
 
 
 def sharded_mesh_dims(param: torch.Tensor) -> frozenset[int]:
-    """The mesh dims a DTensor parameter is sharded over (none for a plain tensor)."""
+    """The mesh dims a DTensor parameter is sharded over (none for a plain tensor).
+
+    Any placement that is neither Replicate nor Partial splits the tensor: ``Shard``, and also
+    FSDP2's ``_StridedShard`` over dp of a tp-sharded parameter and veScale's extra placements,
+    whose ``is_shard()`` is false.
+    """
     if not isinstance(param, DTensor):
         return frozenset()
-    return frozenset(dim for dim, placement in enumerate(param.placements) if placement.is_shard())
+    return frozenset(
+        dim
+        for dim, placement in enumerate(param.placements)
+        if not (placement.is_replicate() or placement.is_partial())
+    )
 
 
 def _pieces_of_parameters(parameters: Iterable[torch.Tensor]) -> list[GradPiece]:

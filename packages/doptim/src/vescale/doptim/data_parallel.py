@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from vescale.doptim.ddp import DATA_PARALLEL_ATTRIBUTE, DDP, data_parallel_of, dp_mesh_dim_index
-from vescale.doptim.errors import DataParallelConfigError
+from vescale.doptim.errors import DataParallelConfigError, DataParallelMeshError
 
 __all__ = ["ZERO_STAGES", "FullyShardedState", "data_parallel"]
 
@@ -62,6 +62,34 @@ def _fully_shard_units(model: nn.Module) -> list[nn.Module]:
     return [*units, model]
 
 
+def _parameters_mesh_object(model: nn.Module, device_mesh: DeviceMesh) -> DeviceMesh:
+    """The one mesh object the model's DTensor parameters carry, checked to equal ``device_mesh``.
+
+    FSDP2 compares the parameters' mesh with the mesh it is given by identity. In a long-lived
+    process DTensor's sharding cache can hand out an equal mesh object of an earlier model
+    (same shape, dim names and groups), so the parameters' own object is the one to pass.
+    """
+    meshes: dict[int, DeviceMesh] = {}
+    for fqn, param in model.named_parameters():
+        if not isinstance(param, DTensor):
+            raise DataParallelMeshError(
+                f"parameter {fqn!r} is a plain tensor while others are DTensors; zero_stage=3 on a "
+                "tensor-parallel model needs every parameter on the mesh (parallelize the whole model)"
+            )
+        if param.device_mesh != device_mesh:
+            raise DataParallelMeshError(
+                f"parameter {fqn!r} lives on {param.device_mesh}, not on the data-parallel mesh "
+                f"{device_mesh}; parallelize the model on the same mesh you give to data_parallel"
+            )
+        meshes[id(param.device_mesh)] = param.device_mesh
+    if len(meshes) > 1:
+        raise DataParallelMeshError(
+            f"the parameters carry {len(meshes)} distinct (equal) mesh objects and FSDP2 takes one; "
+            "build every parameter's DTensor on the same DeviceMesh object"
+        )
+    return next(iter(meshes.values()))
+
+
 def _apply_zero3(model: nn.Module, device_mesh: DeviceMesh, mesh_dim: str) -> FullyShardedState:
     on_mesh = any(isinstance(param, DTensor) for param in model.parameters())
     # Public since torch 2.13; torch 2.11 (which veScale supports too) has no FSDP2 entry point
@@ -73,9 +101,10 @@ def _apply_zero3(model: nn.Module, device_mesh: DeviceMesh, mesh_dim: str) -> Fu
             "torch.distributed.fsdp.DataParallelMeshDims, new in torch 2.13; this is torch "
             f"{torch.__version__}. Upgrade torch, or use zero_stage<=2 with tensor parallelism"
         )
+    spmd_mesh = _parameters_mesh_object(model, device_mesh) if on_mesh else device_mesh
     for unit in _fully_shard_units(model):
         if on_mesh:
-            fully_shard(unit, mesh=device_mesh, dp_mesh_dims=mesh_dims_class(shard=mesh_dim))
+            fully_shard(unit, mesh=spmd_mesh, dp_mesh_dims=mesh_dims_class(shard=mesh_dim))
         else:
             fully_shard(unit, mesh=device_mesh[mesh_dim])
     state = FullyShardedState(model, device_mesh, mesh_dim)
@@ -96,7 +125,7 @@ def data_parallel(
     """Make ``model`` data parallel over ``device_mesh[mesh_dim]`` at ``zero_stage``, in place; return it.
 
     ``ddp_options`` go to :class:`~vescale.doptim.DDP` (stages 0-2): ``bucket_size_mb``,
-    ``overlap``, ``grad_dtype``, ``deterministic``.
+    ``overlap``, ``grad_dtype``, ``deterministic``, ``find_unused_parameters``.
 
     Example::
 

@@ -8,7 +8,14 @@ asynchronously (:mod:`vescale.doptim.reduction`); all of them are waited for whe
 backward pass ends. DTensor (tensor-parallel) parameters bucket their local shards: each
 shard is averaged with the same shard on the other dp ranks. A gradient that arrives
 ``Partial`` over tp is first redistributed to its parameter's placements (dmodule's grad
-sync would do the same at the end of backward).
+sync would do the same at the end of backward, too late for a bucket launched during it),
+so a bucket's dp reduction always reads tp-reduced gradients.
+
+Under ZeRO-2 a bucket's full gradient buffer lives only from its first gradient to the end
+of its reduce-scatter (:mod:`vescale.doptim.buckets`): at most ``MAX_BUCKETS_IN_FLIGHT``
+reductions run at once (launching one more first completes the oldest), and a completed
+one releases its buffer at once, so the gradients held per rank are 1/dp plus the few
+buckets being filled or reduced.
 
 The module is changed in place (hooks only: its parameters, forward and FQNs are kept), so
 ``optimizer_fn(model)`` after ``DDP(model, mesh)`` sees the same parameters.
@@ -27,6 +34,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -36,10 +44,13 @@ from vescale.doptim.buckets import Bucket, ParamSlot, build_buckets, local_tenso
 from vescale.doptim.errors import DataParallelConfigError, DataParallelMeshError
 from vescale.doptim.reduction import BucketReduction, start_reduction
 
-__all__ = ["DATA_PARALLEL_ATTRIBUTE", "DDP", "data_parallel_of", "dp_mesh_dim_index"]
+__all__ = ["DATA_PARALLEL_ATTRIBUTE", "DDP", "MAX_BUCKETS_IN_FLIGHT", "data_parallel_of", "dp_mesh_dim_index"]
 
 # The module and each of its parameters carry their DDP under this attribute.
 DATA_PARALLEL_ATTRIBUTE = "_vescale_data_parallel"
+# ZeRO-2: reductions allowed in flight at once, each holding a full-size bucket buffer. Two
+# keep one collective running while the next bucket fills, with little memory beyond 1/dp.
+MAX_BUCKETS_IN_FLIGHT = 2
 
 
 def dp_mesh_dim_index(device_mesh: DeviceMesh, mesh_dim: str) -> int:
@@ -85,6 +96,11 @@ class DDP:
     state; 2 reduce-scatters, leaving each rank only its chunk of each bucket
     (``param.grad`` is then ``None`` after the synchronising backward).
 
+    A parameter that gets no gradient on a rank in an accumulation window counts as zero
+    there. ``find_unused_parameters=True`` also finds the parameters no rank used (one small
+    all-reduce per synchronising backward) and leaves them without a gradient, so the
+    optimizer skips them as it would on one device (no weight decay, no momentum step).
+
     Example::
 
         ddp = DDP(model, mesh, mesh_dim="dp", deterministic=True)
@@ -103,6 +119,7 @@ class DDP:
         grad_dtype: torch.dtype = torch.float32,
         deterministic: bool = False,
         zero_stage: int = 0,
+        find_unused_parameters: bool = False,
     ) -> None:
         if zero_stage not in (0, 1, 2):
             raise DataParallelConfigError(
@@ -129,18 +146,19 @@ class DDP:
         self.grad_dtype = grad_dtype
         self.deterministic = deterministic
         self.zero_stage = zero_stage
+        self.find_unused_parameters = find_unused_parameters
+        # ids of the parameters no dp rank computed a gradient for in the last synchronised window.
+        self.unused_params: frozenset[int] = frozenset()
+        self._received_grad: set[int] = set()
         self.buckets: list[Bucket] = build_buckets(
             named_parameters,
             bucket_size_bytes=int(bucket_size_mb * 2**20),
             dp_size=self.dp_size,
             grad_dtype=grad_dtype,
+            lazy=zero_stage == 2,
         )
         self._slot_of: dict[int, tuple[Bucket, int]] = {}
         for bucket in self.buckets:
-            if zero_stage == 2:
-                bucket.grad_chunk = torch.zeros(
-                    bucket.chunk_numel, dtype=grad_dtype, device=bucket.grad_buffer.device
-                )
             for position, slot in enumerate(bucket.slots):
                 self._slot_of[id(slot.param)] = (bucket, position)
         self._sync_enabled = True
@@ -195,14 +213,30 @@ class DDP:
                 self._complete_unused(bucket)
                 self._launch(bucket)
         for bucket in self.buckets:
-            self._reductions[bucket.index].wait()
-        if self.zero_stage == 2:
-            # Only each rank's chunk is averaged: the full buffers must not pass for gradients.
-            for _, slot in self.slots():
-                slot.param.grad = None
+            self._complete(bucket)
         self._reductions.clear()
+        if self.find_unused_parameters:
+            self._drop_globally_unused()
+        self._received_grad.clear()
         self._accumulated.clear()
         self._grads_arrived = False
+
+    def _drop_globally_unused(self) -> None:
+        params = [slot.param for _, slot in self.slots()]
+        received = torch.tensor([id(param) in self._received_grad for param in params], dtype=torch.int32)
+        dist.all_reduce(received, op=dist.ReduceOp.MAX, group=self.dp_group)
+        self.unused_params = frozenset(
+            id(param) for param, used in zip(params, received.tolist(), strict=True) if not used
+        )
+        for param in params:
+            if id(param) in self.unused_params:
+                param.grad = None
+
+    def release_grad_chunks(self) -> None:
+        """ZeRO-2: drop each bucket's reduced chunk (the optimizer has stepped; the next backward
+        allocates new ones)."""
+        for bucket in self.buckets:
+            bucket.grad_chunk = None
 
     def remove(self) -> None:
         """Remove the hooks; the module is no longer data-parallel."""
@@ -233,6 +267,7 @@ class DDP:
         bucket, position = self._slot_of[id(param)]
         slot = bucket.slots[position]
         self._grads_arrived = True
+        self._received_grad.add(id(param))
         if not self._callback_queued:
             self._callback_queued = True
             _compat.queue_end_of_backward_callback(self._end_of_backward)
@@ -254,7 +289,16 @@ class DDP:
                 self._accumulated.add(id(param))
             param.grad = None
         bucket.ready.add(position)
-        if self._sync_enabled and self.overlap and len(bucket.ready) == len(bucket.slots):
+        if self._sync_enabled and self.overlap:
+            self._launch_ready_in_order()
+
+    def _launch_ready_in_order(self) -> None:
+        """Launch the full buckets, in bucket order only: every rank must issue the same collectives
+        in the same order, and a bucket holding a parameter this rank did not use never fills here
+        (it waits for the end of backward, and the buckets after it with it)."""
+        for bucket in self.buckets[len(self._reductions) :]:
+            if len(bucket.ready) != len(bucket.slots):
+                return
             self._launch(bucket)
 
     def _complete_unused(self, bucket: Bucket) -> None:
@@ -277,8 +321,26 @@ class DDP:
             self.dp_group,
             result=self.reduce_result,
             deterministic=self.deterministic,
-            grad_chunk=bucket.grad_chunk,
+            grad_chunk=bucket.allocate_grad_chunk() if self.zero_stage == 2 else None,
         )
+        if self.zero_stage != 2:
+            return
+        # Completing early may differ between ranks: safe because a reduce-scatter's wait issues
+        # no collective (only the deterministic all-reduce's does, and ZeRO-2 never all-reduces).
+        in_flight = [index for index, reduction in self._reductions.items() if not reduction.done]
+        for position, index in enumerate(in_flight):
+            must_finish = len(in_flight) - position > MAX_BUCKETS_IN_FLIGHT
+            if must_finish or self._reductions[index].is_completed():
+                self._complete(self.buckets[index])
+
+    def _complete(self, bucket: Bucket) -> None:
+        """Wait for ``bucket``'s reduction; under ZeRO-2 release its full buffer, keeping the chunk."""
+        self._reductions[bucket.index].wait()
+        if self.zero_stage == 2 and bucket.grad_buffer is not None:
+            # Only this rank's chunk is averaged: the full buffer must not pass for gradients.
+            for slot in bucket.slots:
+                slot.param.grad = None
+            bucket.grad_buffer = None
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False

@@ -54,9 +54,20 @@ class BucketReduction:
     work: Any
     received: torch.Tensor | None
     grad_chunk: torch.Tensor | None
+    done: bool = False
+
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (without blocking); :meth:`wait` may still be due."""
+        return self.done or self.work.is_completed()
 
     def wait(self) -> None:
-        """Block until the collective is done, then finish the average (rank-ordered if deterministic)."""
+        """Block until the collective is done, then finish the average (rank-ordered if deterministic).
+
+        A second call does nothing.
+        """
+        if self.done:
+            return
+        self.done = True
         self.work.wait()
         dp_size = self.bucket.dp_size
         if not self.deterministic:
@@ -69,6 +80,7 @@ class BucketReduction:
         for rank in range(1, dp_size):
             total.add_(copies[rank])
         total.div_(dp_size)
+        self.received = None
         if self.result == "reduce_scatter":
             self.grad_chunk.copy_(total)
         else:

@@ -72,6 +72,9 @@ def build_param_shards(ddp: DDP, *, master_dtype: torch.dtype | None) -> dict[in
 def load_grads(ddp: DDP, shards: dict[int, ParamShard]) -> None:
     """Point (or copy, across dtypes) each master's ``.grad`` at its averaged range of the bucket."""
     for shard in shards.values():
+        if id(shard.param) in ddp.unused_params:
+            shard.master.grad = None  # no rank used it: the optimizer skips it, as on one device
+            continue
         bucket, slot = shard.bucket, shard.slot
         if ddp.zero_stage == 2:
             chunk_start = bucket.chunk_range(ddp.dp_rank)[0]
@@ -95,7 +98,7 @@ def publish_params(ddp: DDP, shards: dict[int, ParamShard]) -> None:
     for bucket in ddp.buckets:
         dtype = bucket.slots[0].param.dtype
         chunk_start = bucket.chunk_range(ddp.dp_rank)[0]
-        chunk = torch.zeros(bucket.chunk_numel, dtype=dtype, device=bucket.grad_buffer.device)
+        chunk = torch.zeros(bucket.chunk_numel, dtype=dtype, device=bucket.device)
         for slot in bucket.slots:
             shard = shards[id(slot.param)]
             begin = slot.offset + shard.start - chunk_start

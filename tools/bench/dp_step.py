@@ -1,0 +1,223 @@
+"""Data-parallel training step: veScale's DDP/ZeRO 0-3 vs PyTorch DDP and FSDP2, memory and time.
+
+    .venv/bin/python tools/bench/dp_step.py                      # ~100M parameters, dp=2
+    .venv/bin/python tools/bench/dp_step.py --dp 4 --steps 5     # dp=4
+    .venv/bin/python tools/bench/dp_step.py --width 1024          # a quick run (~6M parameters)
+
+The model is a stack of ``--layers`` wide ``Linear(width, width)`` + GELU blocks in an
+``nn.ModuleList`` (FSDP2's units; ``--width 4096 --layers 6`` is 100.7M parameters), trained
+with AdamW on ``--rows`` rows per rank (loss: mean square of the output). Every variant runs
+in its own run on the same ``--dp`` gloo ranks, one thread per rank, from the same seed:
+
+* PyTorch DDP (``DistributedDataParallel``, its defaults: 25 MB buckets) vs ours at ZeRO-0;
+* PyTorch FSDP2 (``fully_shard`` per block and the root) vs ours at ZeRO-3;
+* ours at ZeRO-1 and 2, and deterministic mode at ZeRO-0 and 2 (vs the default mode).
+
+Step time is fwd + bwd + optimizer step + ``zero_grad``, each step bracketed by barriers:
+the slowest rank's time, median of ``--steps`` steps after one warm-up step.
+
+Memory per rank, as tensor bytes this rank holds (unique storages): parameters (local
+shards; fp32 masters that are views count once), gradients right after backward (``.grad``
+of parameters and masters, and our bucket buffers and ZeRO-2 chunks; PyTorch DDP's own
+buckets are internal and not counted, its peak below includes them), optimizer state after
+the step. Peak resident growth (``PeakResident``) is over the resident size after set-up
+(model, wrappers, optimizer built; no state yet), through the warm-up and timed steps: it
+counts optimizer state, gradients, activations, communication buffers and temporaries. The
+worst rank is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vescale.doptim import DistributedOptimizer, data_parallel, data_parallel_of
+from vescale.dtensor import init_mesh
+from vescale.dtensor.testing import run_on_ranks, shutdown_rank_pool
+from vescale.dtensor.testing.memory import PeakResident
+
+VARIANTS = (
+    "torch DDP",
+    "ours ZeRO-0",
+    "ours ZeRO-0 deterministic",
+    "ours ZeRO-1",
+    "ours ZeRO-2",
+    "ours ZeRO-2 deterministic",
+    "torch FSDP2",
+    "ours ZeRO-3",
+)
+MiB = 2**20
+
+
+class WideMLP(nn.Module):
+    """``layers`` blocks of ``Linear(width, width)`` + GELU."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            inputs = block(inputs)
+        return inputs
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _unique_bytes(tensors: list[torch.Tensor | None]) -> int:
+    storages = {}
+    for tensor in tensors:
+        if tensor is not None:
+            storage = _local(tensor).untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _wrap(variant: str, model: nn.Module, bucket_size_mb: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+    mesh = init_mesh(dp=dist.get_world_size())
+    if variant == "torch DDP":
+        wrapped = nn.parallel.DistributedDataParallel(model, process_group=mesh.get_group("dp"))
+        return wrapped, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if variant == "torch FSDP2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    zero_stage = int(variant.split("ZeRO-")[1][0])
+    options = {} if zero_stage == 3 else {"bucket_size_mb": bucket_size_mb}
+    if variant.endswith("deterministic"):
+        options["deterministic"] = True
+    data_parallel(model, mesh, zero_stage=zero_stage, **options)
+    return model, DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+
+def _gradient_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None]:
+    tensors = [param.grad for param in model.parameters()]
+    tensors += [param.grad for group in optimizer.param_groups for param in group["params"]]
+    ddp = data_parallel_of(model)
+    for bucket in getattr(ddp, "buckets", []):
+        tensors += [bucket.grad_buffer, bucket.grad_chunk]
+    return tensors
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [
+        value
+        for state in optimizer.state.values()
+        for value in state.values()
+        if torch.is_tensor(value) and value.dim()
+    ]
+
+
+def benchmark_rank(
+    variant: str, width: int, layers: int, rows: int, steps: int, bucket_size_mb: float
+) -> dict:
+    torch.manual_seed(0)
+    model = WideMLP(width, layers)
+    wrapped, optimizer = _wrap(variant, model, bucket_size_mb)
+    inputs = torch.randn(rows, width, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
+    masters = [param for group in optimizer.param_groups for param in group["params"]]
+    param_bytes = _unique_bytes([*model.parameters(), *masters])
+    times, grad_bytes = [], 0
+    with PeakResident() as peak:
+        for step in range(1 + steps):
+            dist.barrier()
+            start = time.perf_counter()
+            wrapped(inputs).square().mean().backward()
+            if step == 0:
+                if isinstance(optimizer, DistributedOptimizer):
+                    optimizer.prepare_grads()  # the averaged gradients, where the step reads them
+                grad_bytes = _unique_bytes(_gradient_tensors(model, optimizer))
+            optimizer.step()
+            optimizer.zero_grad()
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+    return {
+        "times": times[1:],
+        "params": param_bytes,
+        "grads": grad_bytes,
+        "state": _unique_bytes(_state_tensors(optimizer)),
+        "peak": peak.growth,
+    }
+
+
+def _slowest(results: list[dict]) -> float:
+    per_step = [max(steps) for steps in zip(*(result["times"] for result in results), strict=True)]
+    return statistics.median(per_step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--rows", type=int, default=8, help="rows per rank")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    arguments = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    numel = arguments.layers * (arguments.width**2 + arguments.width)
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, gloo, dp={arguments.dp}; "
+        f"{numel / 1e6:.1f}M parameters ({numel * 4 / MiB:.0f} MiB fp32), {arguments.rows} rows per rank; "
+        f"median of {arguments.steps} steps after 1 warm-up, slowest rank per step\n"
+    )
+    measured = {}
+    for variant in arguments.variants:
+        results = run_on_ranks(
+            benchmark_rank,
+            arguments.dp,
+            (
+                variant,
+                arguments.width,
+                arguments.layers,
+                arguments.rows,
+                arguments.steps,
+                arguments.bucket_mb,
+            ),
+            timeout_s=600,
+        )
+        measured[variant] = {
+            "time": _slowest(results),
+            **{key: max(result[key] for result in results) for key in ("params", "grads", "state", "peak")},
+        }
+    shutdown_rank_pool()
+    print(
+        "| variant | step time (s) | params (MiB) | grads (MiB) | optimizer state (MiB) | peak growth (MiB) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for variant, row in measured.items():
+        print(
+            f"| {variant} | {row['time']:.3f} | {row['params'] / MiB:.0f} | {row['grads'] / MiB:.0f} | "
+            f"{row['state'] / MiB:.0f} | {row['peak'] / MiB:.0f} |"
+        )
+    pairs = [
+        ("ours ZeRO-0", "torch DDP"),
+        ("ours ZeRO-3", "torch FSDP2"),
+        ("ours ZeRO-0 deterministic", "ours ZeRO-0"),
+        ("ours ZeRO-2 deterministic", "ours ZeRO-2"),
+    ]
+    print("\n| ours | against | time ratio (goal <= 1.05) | peak memory ratio (goal <= 1.0) |")
+    print("|---|---|---:|---:|")
+    for ours, other in pairs:
+        if ours in measured and other in measured:
+            time_ratio = measured[ours]["time"] / measured[other]["time"]
+            peak_ratio = measured[ours]["peak"] / max(measured[other]["peak"], 1)
+            print(f"| {ours} | {other} | {time_ratio:.3f} | {peak_ratio:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

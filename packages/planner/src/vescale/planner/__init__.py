@@ -2,12 +2,30 @@
 
 Example::
 
-    import vescale.planner
-    print(vescale.planner.__version__)
+    plan = vescale.planner.generate_plan(model, {"tensor_parallel.size": 2}, world_size=8)
+    print(plan); print(plan.explain())
+    assert vescale.planner.Plan.from_json(plan.to_json()) == plan
 """
 
 from importlib.metadata import version as _distribution_version
 
-__all__ = ["__version__"]
+from vescale.planner.constraints import Constraints
+from vescale.planner.errors import ConstraintError, PlanError, PlanFormatError
+from vescale.planner.generate import generate_plan
+from vescale.planner.memory import MemoryEstimate, ParallelChoices, estimate_memory
+from vescale.planner.plan import Plan
+
+__all__ = [
+    "ConstraintError",
+    "Constraints",
+    "MemoryEstimate",
+    "ParallelChoices",
+    "Plan",
+    "PlanError",
+    "PlanFormatError",
+    "__version__",
+    "estimate_memory",
+    "generate_plan",
+]
 
 __version__ = _distribution_version("vescale-planner")

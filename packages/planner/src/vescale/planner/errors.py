@@ -13,7 +13,7 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["ConstraintError", "PlanError"]
+__all__ = ["ConstraintError", "PlanError", "PlanFormatError"]
 
 
 class PlanError(Exception):
@@ -22,3 +22,7 @@ class PlanError(Exception):
 
 class ConstraintError(PlanError, ValueError):
     """A constraint is unknown, has the wrong type or value, or contradicts another one."""
+
+
+class PlanFormatError(PlanError, ValueError):
+    """A plan (or its JSON) has an unknown, missing or inconsistent field; the message names it."""

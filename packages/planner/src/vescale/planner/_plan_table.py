@@ -1,0 +1,78 @@
+"""``print(plan)``: the choices of a :class:`~vescale.planner.plan.Plan` and its memory per device.
+
+Example::
+
+    print(format_plan_table(plan))
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vescale.planner.plan import Plan
+
+__all__ = ["format_plan_table"]
+
+_GIB = 2**30
+
+
+def _choices(plan: Plan) -> list[tuple[str, str]]:
+    tp, pp, dp = plan.mesh_size("tp"), plan.mesh_size("pp"), plan.mesh_size("dp")
+    sharding = plan.sharding_plan
+    if sharding is None:
+        tensor_parallel = "off"
+    else:
+        tensor_parallel = (
+            f"{tp} ({len(sharding.parameter)} parameter, {len(sharding.forward)} forward patterns)"
+        )
+    pipeline = plan.pipeline
+    if pipeline is None:
+        pipeline_text = "off"
+    else:
+        pipeline_text = f"{pp} stages, {pipeline.schedule}, split {pipeline.split_method}"
+    zero = plan.data_parallel.zero_stage
+    accumulation = "" if pipeline is not None else " (gradient accumulation)"
+    return [
+        ("world size", str(plan.world_size)),
+        ("mesh", "  ".join(f"{dim}={size}" for dim, size in plan.mesh)),
+        ("tensor parallel", tensor_parallel),
+        ("sequence parallel", "on" if plan.sequence_parallel else "off"),
+        ("pipeline parallel", pipeline_text),
+        ("data parallel", f"{dp}, ZeRO-{zero}" if zero else f"{dp}, ZeRO-0 (DDP)"),
+        ("mixed precision", plan.mixed_precision),
+        ("global batch size", str(plan.global_batch_size)),
+        ("micro-batch size", str(plan.micro_batch_size)),
+        ("micro-batches per step", f"{plan.num_microbatches}{accumulation}"),
+        ("sequence length", str(plan.sequence_length)),
+        ("activation checkpointing", plan.activation_checkpointing),
+    ]
+
+
+def _memory(plan: Plan) -> list[tuple[str, str]]:
+    estimate = plan.memory_estimate
+    if estimate is None:
+        return [("estimate", "not computed")]
+    rows = [
+        (name.replace("_", " "), f"{value / _GIB:10.2f} GiB") for name, value in estimate.to_dict().items()
+    ]
+    budget = plan.memory_per_device_gb
+    of_budget = f" of {budget:.2f} GiB" if budget is not None else ""
+    rows.append(("total", f"{estimate.total / _GIB:10.2f} GiB{of_budget}"))
+    return rows
+
+
+def format_plan_table(plan: Plan) -> str:
+    """Two titled tables: the plan's choices, then the estimated memory per device.
+
+    Example::
+
+        text = format_plan_table(plan)   # what print(plan) shows
+    """
+    lines = []
+    for title, rows in (("vescale plan", _choices(plan)), ("memory per device (estimate)", _memory(plan))):
+        width = max(len(name) for name, _ in rows)
+        lines.append(title)
+        lines.append("-" * (width + 24))
+        lines.extend(f"  {name:<{width}}  {value}" for name, value in rows)
+    return "\n".join(lines)

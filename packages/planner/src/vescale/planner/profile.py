@@ -1,0 +1,232 @@
+"""One forward of a model on meta tensors: what it holds for backward, by module and repeated block.
+
+Every parameter, buffer and input is replaced by a meta tensor (shapes only: nothing is
+allocated, a 70B-parameter model profiles in seconds). ``torch.autograd.graph.saved_tensors_hooks``
+sees every tensor autograd saves for backward; forward hooks say which module was running and
+which repeated block (the longest ``ModuleList`` of same-class modules) it belongs to. Saved
+tensors are counted once per storage, parameters and views of them not at all, and the forward's
+outputs (alive until backward) are counted too. Meta tensors always take SDPA's math path, so
+attention is counted as the fused kernels of real devices save it.
+
+Example::
+
+    profile = profile_model(model, sequence_length=2048, micro_batch_size=1)
+    print(profile.num_blocks, sum(record.nbytes for record in profile.saved))
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from vescale.planner.errors import PlanError
+
+__all__ = ["ModelProfile", "find_repeated_blocks", "profile_model"]
+
+
+@dataclass(frozen=True)
+class _ParameterRecord:
+    fqn: str
+    numel: int
+    block: int | None
+    side: str  # "first" (before the blocks, the first stage) or "last" (after them)
+
+
+@dataclass(frozen=True)
+class _SavedRecord:
+    module_fqn: str
+    nbytes: int
+    is_float: bool
+    block: int | None
+    side: str
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What one meta forward of one sample of ``sequence_length`` tokens showed (see module docstring)."""
+
+    sequence_length: int
+    micro_batch_size: int
+    num_blocks: int
+    parameters: tuple[_ParameterRecord, ...]
+    saved: tuple[_SavedRecord, ...]
+    block_input_bytes: int
+    module_parameters: dict[str, tuple[str, ...]]
+
+
+def find_repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
+    """The FQN and members of the longest ``ModuleList`` of same-class modules (the layers).
+
+    Example::
+
+        prefix, blocks = find_repeated_blocks(llama)   # "model.layers", 32 decoder layers
+    """
+    best: tuple[str, list[nn.Module]] = ("", [])
+    for fqn, module in model.named_modules():
+        members = list(module) if isinstance(module, nn.ModuleList) else []
+        if len(members) > max(1, len(best[1])) and len({type(m) for m in members}) == 1:
+            best = (fqn, members)
+    return best
+
+
+def _example_inputs(model: nn.Module, batch: int, sequence_length: int) -> tuple[tuple, dict]:
+    input_ids = torch.zeros(batch, sequence_length, dtype=torch.long, device="meta")
+    names = list(inspect.signature(model.forward).parameters)
+    if "input_ids" in names:
+        labels = {"labels": input_ids} if "labels" in names else {}
+        return (), {"input_ids": input_ids, **labels}
+    return (input_ids,), {}
+
+
+class _FusedAttentionSaves(TorchFunctionMode):
+    """Count what a fused attention kernel saves (q, k, v, its output and the per-row log-sum-exp).
+
+    Meta tensors always take SDPA's math path, which saves the sequence x sequence scores; CPU
+    and CUDA runs take a fused kernel (flash / memory-efficient) that saves far less. The
+    output is given the fused kernels' (batch, sequence, heads, dim) layout, so that the
+    reshape feeding the output projection is a view, as it is on a real device.
+    """
+
+    def __init__(self, save: Callable[[torch.Tensor], None], record_extra: Callable[[int], None]) -> None:
+        super().__init__()
+        self.save, self.record_extra, self.inside = save, record_extra, False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention or self.inside:
+            return func(*args, **kwargs)
+        self.inside = True
+        try:
+            output = func(*args, **kwargs)
+        finally:
+            self.inside = False
+        if output.dim() == 4:
+            output = output.transpose(1, 2).contiguous().transpose(1, 2)
+        inputs = [*args[:3], *(kwargs[name] for name in ("query", "key", "value") if name in kwargs)]
+        for tensor in [*inputs, output]:
+            self.save(tensor)
+        batch_heads_rows = output.numel() // output.shape[-1]
+        self.record_extra(batch_heads_rows * 4)  # the fp32 log-sum-exp of each query row
+        return output
+
+
+def _tensors_in(outputs: Any) -> list[torch.Tensor]:
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, dict):
+        outputs = list(outputs.values())
+    if isinstance(outputs, list | tuple):
+        return [tensor for item in outputs for tensor in _tensors_in(item)]
+    return []
+
+
+def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int = 1) -> ModelProfile:
+    """Profile one micro-batch of ``sequence_length`` tokens through ``model`` on meta tensors.
+
+    Raises ``PlanError`` when the forward cannot run on meta tensors (data-dependent code, such
+    as mixture-of-experts routing that counts tokens per expert).
+
+    Example::
+
+        profile = profile_model(model, sequence_length=2048)
+        estimate = estimate_from_profile(profile, ParallelChoices(tensor_parallel_size=8))
+    """
+    blocks_fqn, blocks = find_repeated_blocks(model)
+    block_of = {f"{blocks_fqn}.{index}": index for index in range(len(blocks))}
+    meta = {
+        name: torch.empty_like(tensor, device="meta").requires_grad_(tensor.requires_grad)
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+    }
+    parameter_storages = {id(meta[name].untyped_storage()) for name, _ in model.named_parameters()}
+    stack: list[str] = []
+    seen_block = [False, False]  # a block has started; a block has finished
+    block_inputs: list[int] = []
+    saved: dict[int, tuple[Any, _SavedRecord]] = {}
+
+    def block_index(fqn: str) -> int | None:
+        head = ".".join(fqn.split(".")[: len(blocks_fqn.split(".")) + 1]) if blocks_fqn else ""
+        return block_of.get(head)
+
+    def record(key: Any, nbytes: int, is_float: bool) -> None:
+        module_fqn = stack[-1] if stack else ""
+        block = block_index(module_fqn)
+        side = "last" if block is None and seen_block[1] else "first"
+        # The key is kept referenced so that its id is not reused by a later tensor.
+        saved[id(key)] = (key, _SavedRecord(module_fqn, nbytes, is_float, block, side))
+
+    def save(tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if id(storage) not in parameter_storages and id(storage) not in saved:
+            record(storage, storage.nbytes(), tensor.is_floating_point())
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not attention.inside:
+            save(tensor)
+        return tensor
+
+    attention = _FusedAttentionSaves(save, lambda nbytes: record(object(), nbytes, True))
+
+    def enter(fqn: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            stack.append(fqn)
+            if fqn in block_of:
+                seen_block[0] = True
+                first = next((a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)), None)
+                block_inputs.append(0 if first is None else first.untyped_storage().nbytes())
+
+        return hook
+
+    def leave(fqn: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            stack.pop()
+            seen_block[1] = seen_block[1] or fqn in block_of
+
+        return hook
+
+    handles = []
+    for fqn, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(enter(fqn), with_kwargs=True))
+        handles.append(module.register_forward_hook(leave(fqn), with_kwargs=True, always_call=True))
+    args, kwargs = _example_inputs(model, micro_batch_size, sequence_length)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), attention:
+            outputs = functional_call(model, meta, args, kwargs)
+        # The outputs (logits next to the loss) stay alive until backward, saved or not.
+        for tensor in _tensors_in(outputs):
+            save(tensor)
+    except (RuntimeError, NotImplementedError) as error:
+        raise PlanError(
+            f"{type(model).__name__}'s forward cannot run on meta tensors, so its memory cannot be "
+            f"estimated: {str(error).splitlines()[0]}"
+        ) from error
+    finally:
+        for handle in handles:
+            handle.remove()
+    first_block_param = next(
+        (i for i, (n, _) in enumerate(model.named_parameters()) if block_index(n) is not None), 0
+    )
+    parameters = tuple(
+        _ParameterRecord(name, p.numel(), block_index(name), "first" if i < first_block_param else "last")
+        for i, (name, p) in enumerate(model.named_parameters())
+    )
+    owned = {
+        fqn: tuple(f"{fqn}.{name}" if fqn else name for name, _ in module.named_parameters(recurse=False))
+        for fqn, module in model.named_modules()
+    }
+    return ModelProfile(
+        sequence_length=sequence_length,
+        micro_batch_size=micro_batch_size,
+        num_blocks=len(blocks),
+        parameters=parameters,
+        saved=tuple(record for _, record in saved.values()),
+        block_input_bytes=max(block_inputs, default=0),
+        module_parameters={fqn: names for fqn, names in owned.items() if names},
+    )

@@ -1,0 +1,180 @@
+"""generate_plan: Megatron's rules on the memory estimate, constraints that win, impossible ones refused."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from vescale.dtensor.testing import run_on_ranks
+from vescale.dtensor.testing.models.tiny_hf import build_tiny_hf_model
+from vescale.planner import ConstraintError, ParallelChoices, estimate_memory, generate_plan
+
+_GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build_tiny_hf_model("llama")
+
+
+def _smallest_without_model_parallelism(model, world_size: int) -> int:
+    """Bytes per device of the leanest data-parallel-only run: ZeRO-3 and full checkpointing."""
+    choices = ParallelChoices(
+        data_parallel_size=world_size, zero_stage=3, activation_checkpointing="full", sequence_length=8
+    )
+    return estimate_memory(model, choices).total
+
+
+def test_with_room_to_spare_the_plan_is_plain_data_parallel(llama):
+    plan = generate_plan(llama, {"sequence_length": 8, "memory_per_device_gb": 1.0}, world_size=4)
+    assert plan.mesh == (("pp", 1), ("dp", 4), ("ep", 1), ("tp", 1))
+    assert (plan.data_parallel.zero_stage, plan.activation_checkpointing, plan.sequence_parallel) == (
+        0,
+        "none",
+        False,
+    )
+    assert plan.sharding_plan is None and plan.pipeline is None
+    assert plan.memory_estimate.total <= 1.0 * _GIB
+
+
+def test_when_data_parallel_alone_does_not_fit_tensor_parallel_comes_first_within_a_node(llama):
+    budget_gb = (_smallest_without_model_parallelism(llama, 4) - 1) / _GIB
+    plan = generate_plan(llama, {"sequence_length": 8, "memory_per_device_gb": budget_gb}, world_size=4)
+    assert (plan.mesh_size("tp"), plan.mesh_size("pp"), plan.mesh_size("dp")) == (2, 1, 2)
+    assert plan.sequence_parallel and plan.sharding_plan is not None
+    assert plan.memory_estimate.total <= budget_gb * _GIB
+    assert "smallest model-parallel size (tp x pp = 2)" in dict(plan.reasons)["tensor_parallel"]
+
+
+def test_with_one_device_per_node_the_model_is_split_by_pipeline_across_nodes(llama):
+    budget_gb = (_smallest_without_model_parallelism(llama, 2) - 1) / _GIB
+    # One micro-batch per step: a pipeline's first stage then holds no more activations than dp does.
+    constraints = {
+        "sequence_length": 8,
+        "memory_per_device_gb": budget_gb,
+        "devices_per_node": 1,
+        "pipeline_parallel.num_microbatches": 1,
+    }
+    plan = generate_plan(llama, constraints, world_size=2)
+    assert (plan.mesh_size("tp"), plan.mesh_size("pp"), plan.mesh_size("dp")) == (1, 2, 1)
+    assert plan.pipeline.size == 2 and plan.memory_estimate.total <= budget_gb * _GIB
+
+
+def test_constraints_always_win(llama):
+    constraints = {
+        "tensor_parallel.size": 2,
+        "data_parallel.size": 2,
+        "zero.stage": 2,
+        "sequence_parallel": False,
+        "mixed_precision": "bf16",
+        "activation_checkpointing": "full",
+        "global_batch_size": 16,
+        "micro_batch_size": 2,
+        "sequence_length": 8,
+    }
+    plan = generate_plan(llama, constraints, world_size=4)
+    assert plan.mesh == (("pp", 1), ("dp", 2), ("ep", 1), ("tp", 2))
+    assert (plan.data_parallel.zero_stage, plan.sequence_parallel, plan.mixed_precision) == (2, False, "bf16")
+    assert (plan.activation_checkpointing, plan.global_batch_size, plan.micro_batch_size) == ("full", 16, 2)
+    assert plan.num_microbatches == 4 and dict(plan.reasons)["zero_stage"] == "constraint"
+
+
+@pytest.mark.parametrize(
+    ("constraints", "world_size", "message"),
+    [
+        ({"tensor_parallel.size": 3}, 4, "tensor_parallel.size=3 = 3 does not divide the world size 4"),
+        (
+            {"tensor_parallel.size": 2, "data_parallel.size": 2, "pipeline_parallel.size": 2},
+            4,
+            "= 8 devices, but the world size is 4",
+        ),
+        ({"tensor_parallel.size": 8}, 8, r"does not divide the attention head count\(s\) \[4\]"),
+        (
+            {"tensor_parallel.size": 16, "devices_per_node": 16},
+            16,
+            r"tensor_parallel.size=16 does not divide the attention head count\(s\) \[4, 8\] \(larger than",
+        ),
+        ({"memory_per_device_gb": 1e-6}, 2, "no plan fits memory_per_device_gb=0.00"),
+        (
+            {"global_batch_size": 3, "tensor_parallel.size": 1, "pipeline_parallel.size": 1},
+            2,
+            "global_batch_size=3 with micro_batch_size=None splits over none",
+        ),
+    ],
+)
+def test_impossible_constraints_are_refused_saying_why(llama, constraints, world_size, message):
+    with pytest.raises(ConstraintError, match=message):
+        generate_plan(llama, {"sequence_length": 8, **constraints}, world_size=world_size)
+
+
+def test_gpt2_with_fused_attention_projections_plans_tensor_parallel():
+    plan = generate_plan(
+        build_tiny_hf_model("gpt2"), {"tensor_parallel.size": 2, "sequence_length": 8}, world_size=2
+    )
+    assert plan.mesh_size("tp") == 2 and "IS(" in plan.to_json()  # the q|k|v projection interleaved
+
+
+def world_size_seen_by_generate_plan() -> int:
+    return generate_plan(build_tiny_hf_model("llama"), {"sequence_length": 8}).world_size
+
+
+def test_world_size_defaults_to_the_process_group_else_one():
+    assert world_size_seen_by_generate_plan() == 1
+    assert run_on_ranks(world_size_seen_by_generate_plan, 2, timeout_s=120) == [2, 2]
+
+
+@pytest.mark.parametrize(
+    ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab"),
+    [(32, 4096, 11008, 32, 32, 32000), (80, 8192, 28672, 64, 8, 128256)],
+    ids=["llama-7b", "llama-70b"],
+)
+def test_llama_7b_and_70b_on_meta_plan_in_seconds_and_fit(
+    layers, hidden, intermediate, heads, kv_heads, vocab
+):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    constraints = {
+        "memory_per_device_gb": 40,
+        "devices_per_node": 8,
+        "mixed_precision": "bf16",
+        "sequence_length": 4096,
+        "global_batch_size": 64,
+        "zero.stage": 1,
+    }
+    started = time.perf_counter()
+    plan = generate_plan(model, constraints, world_size=64)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 60, f"planning took {elapsed:.1f} s"
+    assert plan.memory_estimate.total <= 40 * _GIB and plan.world_size == 64
+    assert plan.mesh_size("tp") <= 8 and kv_heads % plan.mesh_size("tp") == 0
+    assert estimate_memory(model, plan) == plan.memory_estimate
+
+
+def test_constraints_that_need_model_parallelism_steer_the_choice(llama):
+    roomy = {"sequence_length": 8, "memory_per_device_gb": 1.0}
+    plan = generate_plan(llama, {**roomy, "sequence_parallel": True}, world_size=4)
+    assert plan.mesh_size("tp") == 2 and plan.sequence_parallel
+    plan = generate_plan(llama, {**roomy, "pipeline_parallel.split_points": ["model.layers.1"]}, world_size=2)
+    assert plan.pipeline.split_points == ("model.layers.1",) and plan.pipeline.split_method == "manual"
+    # Without a global batch, a pipeline gets one micro-batch per stage.
+    assert (plan.pipeline.num_microbatches, plan.global_batch_size) == (2, 2)
+
+
+def test_the_default_budget_is_the_devices_memory(llama):
+    from vescale.planner.generate import default_memory_per_device_gb
+
+    plan = generate_plan(llama, {"sequence_length": 8}, world_size=2)
+    assert plan.memory_per_device_gb == default_memory_per_device_gb(devices_per_node=2) > 0
+    assert dict(plan.reasons)["memory_per_device_gb"] == "the device's memory"

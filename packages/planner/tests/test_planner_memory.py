@@ -1,0 +1,182 @@
+"""estimate_memory: each part against an independent measurement of the same tiny model.
+
+The references are real float32 runs on CPU: the bytes of a real forward's saved tensors (counted
+per storage through ``saved_tensors_hooks``, as real memory is), the real gradients and AdamW
+state after one step, and the local shards that ``parallelize_module`` leaves on 2 ranks. Sizes
+are integers, so every comparison is exact.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from vescale.dmodule import parallelize_module, plan_tensor_parallel
+from vescale.dtensor import init_mesh
+from vescale.dtensor.testing import run_on_ranks
+from vescale.dtensor.testing.models.tiny_hf import build_tiny_hf_model, tiny_batch
+from vescale.planner import MemoryEstimate, ParallelChoices, PlanError, estimate_memory
+from vescale.planner.profile import find_repeated_blocks
+
+
+def real_activation_bytes(model: torch.nn.Module, batch_size: int, seq_len: int) -> int:
+    """Bytes a real CPU forward saves for backward plus its outputs, once per storage, parameters excluded."""
+    input_ids, labels = tiny_batch(model.config.vocab_size, batch_size=batch_size, seq_len=seq_len)
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameter_storages:
+            saved.setdefault(storage.data_ptr(), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = model(input_ids=input_ids, labels=labels)
+    for tensor in (output.loss, output.logits):
+        pack(tensor)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_activation_estimate_equals_the_bytes_a_real_forward_keeps_for_backward(name):
+    # Exact: both count the same storages; the meta run stands in fused attention for the math path
+    # that meta tensors take, and the real CPU run uses the fused kernel too.
+    model = build_tiny_hf_model(name)
+    estimate = estimate_memory(model, ParallelChoices(micro_batch_size=2, sequence_length=8))
+    assert estimate.activations == real_activation_bytes(model, batch_size=2, seq_len=8)
+
+
+def test_parameter_gradient_and_optimizer_bytes_equal_a_real_adamw_step():
+    model = build_tiny_hf_model("llama")
+    input_ids, labels = tiny_batch(model.config.vocab_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=input_ids, labels=labels).loss.backward()
+    optimizer.step()
+    moments = sum(
+        state[key].nbytes for state in optimizer.state.values() for key in ("exp_avg", "exp_avg_sq")
+    )
+    estimate = estimate_memory(model, ParallelChoices(sequence_length=8))
+    assert estimate.parameters == sum(p.nbytes for p in model.parameters())
+    assert estimate.gradients == sum(p.grad.nbytes for p in model.parameters())
+    assert estimate.optimizer_states == moments
+
+
+def test_zero_stages_divide_optimizer_state_then_gradients_then_parameters_over_dp():
+    model = build_tiny_hf_model("llama")
+    whole = estimate_memory(model, ParallelChoices(sequence_length=8, data_parallel_size=4))
+    parts = [
+        estimate_memory(model, ParallelChoices(sequence_length=8, data_parallel_size=4, zero_stage=stage))
+        for stage in (1, 2, 3)
+    ]
+    # 90752 parameter bytes are a multiple of 4, so the shares are exact.
+    assert [(p.parameters, p.gradients, p.optimizer_states) for p in parts] == [
+        (whole.parameters, whole.gradients, whole.optimizer_states // 4),
+        (whole.parameters, whole.gradients // 4, whole.optimizer_states // 4),
+        (whole.parameters // 4, whole.gradients // 4, whole.optimizer_states // 4),
+    ]
+    assert all(p.activations == whole.activations for p in parts)
+
+
+def test_bf16_halves_parameters_and_gradients_and_adds_fp32_master_weights():
+    model = build_tiny_hf_model("llama")
+    fp32 = estimate_memory(model, ParallelChoices(sequence_length=8))
+    bf16 = estimate_memory(model, ParallelChoices(sequence_length=8, mixed_precision="bf16"))
+    assert (bf16.parameters, bf16.gradients) == (fp32.parameters // 2, fp32.gradients // 2)
+    assert bf16.optimizer_states == fp32.optimizer_states * 12 // 8  # 2 moments + master, 4 bytes each
+    assert bf16.activations < fp32.activations
+
+
+def test_pipeline_stage_holds_its_blocks_and_the_larger_end_of_the_model():
+    model = build_tiny_hf_model("llama")
+    prefix, blocks = find_repeated_blocks(model)
+    assert (prefix, len(blocks)) == ("model.layers", 2)
+    first = sum(
+        p.numel() for n, p in model.named_parameters() if n.startswith(("model.embed", "model.layers.0."))
+    )
+    last = sum(
+        p.numel() for n, p in model.named_parameters() if not n.startswith(("model.embed", "model.layers.0."))
+    )
+    estimate = estimate_memory(model, ParallelChoices(sequence_length=8, pipeline_parallel_size=2))
+    assert estimate.parameters == 4 * max(first, last)
+
+
+def test_full_activation_checkpointing_keeps_block_inputs_and_one_block():
+    model = build_tiny_hf_model("llama")
+    none = estimate_memory(model, ParallelChoices(sequence_length=8, micro_batch_size=2))
+    full = estimate_memory(
+        model, ParallelChoices(sequence_length=8, micro_batch_size=2, activation_checkpointing="full")
+    )
+    block_input = 2 * 8 * 32 * 4  # (batch, sequence, hidden) float32
+    # The two blocks save the same apart from the rotary tables, which the first block saves.
+    assert 0 < none.activations - full.activations <= none.activations
+    assert full.activations > 2 * block_input
+
+
+def local_parameter_bytes_on_ranks(plan_dict: dict) -> int:
+    from vescale.dmodule.sharding_plan import ShardingPlan
+
+    model = build_tiny_hf_model("llama")
+    parallelize_module(model, init_mesh(tp=2), ShardingPlan.from_dict(plan_dict))
+    return sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in model.parameters())
+
+
+def test_tensor_parallel_parameter_bytes_equal_the_local_shards_of_parallelize_module():
+    model = build_tiny_hf_model("llama")
+    plan = plan_tensor_parallel(model).plan
+    local = run_on_ranks(local_parameter_bytes_on_ranks, 2, args=(plan.to_dict(),), timeout_s=120)
+    estimate = estimate_memory(
+        model, ParallelChoices(sequence_length=8, tensor_parallel_size=2, sharding_plan=plan)
+    )
+    assert local == [estimate.parameters, estimate.parameters]
+
+
+def test_tensor_and_sequence_parallel_divide_activations():
+    model = build_tiny_hf_model("llama")
+    plan = plan_tensor_parallel(model).plan
+    sizes = dict(sequence_length=8, micro_batch_size=2, tensor_parallel_size=2, sharding_plan=plan)
+    whole = estimate_memory(model, ParallelChoices(sequence_length=8, micro_batch_size=2))
+    tp = estimate_memory(model, ParallelChoices(**sizes))
+    sp = estimate_memory(model, ParallelChoices(**sizes, sequence_parallel=True))
+    # Column inputs stay whole on every rank, so TP divides by less than 2; SP also divides the norms.
+    assert whole.activations / 2 < sp.activations < tp.activations < whole.activations
+
+
+def test_a_70b_llama_on_meta_is_estimated_in_seconds():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    started = time.perf_counter()
+    estimate = estimate_memory(model, ParallelChoices(sequence_length=4096, mixed_precision="bf16"))
+    elapsed = time.perf_counter() - started
+    assert estimate.parameters == 2 * sum(p.numel() for p in model.parameters())  # 70.6e9 x 2 bytes
+    assert elapsed < 30, f"estimating took {elapsed:.1f} s"
+
+
+def test_estimate_memory_refuses_what_it_cannot_estimate():
+    with pytest.raises(PlanError, match="takes a ParallelChoices or a Plan, got str"):
+        estimate_memory(build_tiny_hf_model("llama"), "tp=2")
+    with pytest.raises(PlanError, match="tensor_parallel_size=2 needs the sharding_plan"):
+        estimate_memory(build_tiny_hf_model("llama"), ParallelChoices(tensor_parallel_size=2))
+    with pytest.raises(PlanError, match="MixtralForCausalLM's forward cannot run on meta tensors"):
+        estimate_memory(build_tiny_hf_model("mixtral"), ParallelChoices(sequence_length=8))
+
+
+def test_memory_estimate_dict_round_trip_and_bad_parts():
+    estimate = MemoryEstimate(parameters=1, gradients=2, optimizer_states=3, activations=4)
+    assert MemoryEstimate.from_dict(estimate.to_dict()) == estimate and estimate.total == 10
+    with pytest.raises(PlanError, match=r"memory_estimate\.activations must be a non-negative number"):
+        MemoryEstimate.from_dict({**estimate.to_dict(), "activations": -1})
+    with pytest.raises(PlanError, match="exactly the keys"):
+        MemoryEstimate.from_dict({"parameters": 1})

@@ -145,24 +145,37 @@ def test_mesh_must_have_a_pp_dimension_of_the_plan_size():
         run_on_ranks(_pp_size_mismatch, 2, timeout_s=60)
 
 
-def _model_class_after_parallelize() -> tuple[bool, bool, list[str]]:
+def _model_class_after_parallelize() -> tuple[bool, bool, list[str], list[str], bool]:
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     forwards = (LlamaForCausalLM.forward, LlamaDecoderLayer.forward)
     pipe = _pipeline()
     untouched = (LlamaForCausalLM.forward, LlamaDecoderLayer.forward) == forwards
-    return type(pipe.module) is LlamaForCausalLM, untouched, [fqn for fqn, _ in pipe.named_parameters()]
+    # The reference model's values, loaded through the wrapper under the original FQNs.
+    reference = build_tiny_hf_model("llama", num_hidden_layers=4, seed=1).state_dict()
+    local_keys = set(pipe.state_dict())
+    pipe.load_state_dict({fqn: reference[fqn] for fqn in local_keys})
+    loaded = all(torch.equal(tensor, reference[fqn]) for fqn, tensor in pipe.state_dict().items())
+    return (
+        type(pipe.module) is LlamaForCausalLM,
+        untouched,
+        [fqn for fqn, _ in pipe.named_parameters()],
+        sorted(local_keys),
+        loaded,
+    )
 
 
-def test_model_class_is_untouched_and_each_rank_keeps_only_its_parameters():
+def test_model_class_is_untouched_and_each_rank_keeps_only_its_parameters_under_their_fqns():
+    # Original FQNs (no wrapper prefix) make checkpoints independent of the pipeline size.
     rank_results = run_on_ranks(_model_class_after_parallelize, 2, timeout_s=60)
-    for same_class, untouched, _ in rank_results:
-        assert same_class and untouched
-    first_stage, last_stage = (set(fqns) for _, _, fqns in rank_results)
-    assert "module.model.embed_tokens.weight" in first_stage and "module.lm_head.weight" in last_stage
+    for same_class, untouched, parameter_fqns, state_dict_keys, loaded in rank_results:
+        assert same_class and untouched and loaded
+        assert set(parameter_fqns) <= set(state_dict_keys)
+    first_stage, last_stage = (set(fqns) for _, _, fqns, _, _ in rank_results)
+    assert "model.embed_tokens.weight" in first_stage and "lm_head.weight" in last_stage
     assert not first_stage & last_stage
-    whole_model = {
-        f"module.{fqn}" for fqn, _ in build_tiny_hf_model("llama", num_hidden_layers=4).named_parameters()
-    }
-    assert first_stage | last_stage == whole_model
+    whole_model = build_tiny_hf_model("llama", num_hidden_layers=4)
+    assert first_stage | last_stage == {fqn for fqn, _ in whole_model.named_parameters()}
+    first_keys, last_keys = (set(keys) for _, _, _, keys, _ in rank_results)
+    assert first_keys | last_keys == set(whole_model.state_dict())

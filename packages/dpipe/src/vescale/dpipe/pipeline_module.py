@@ -16,8 +16,7 @@ Example::
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -26,7 +25,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
+from vescale.dpipe.activation_meter import ActivationMeter
 from vescale.dpipe.errors import MicrobatchError, PipelinePlanError
+from vescale.dpipe.gradients import data_parallel_sync_deferred, finish_pipeline_gradients, tied_parameters
 from vescale.dpipe.plan import PipelinePlan
 from vescale.dpipe.schedules import build_schedule, local_stage_indices
 from vescale.dpipe.split import StageLayout, split_model
@@ -34,8 +35,6 @@ from vescale.dpipe.stage_module import PipelineStageModule, StageRouter
 from vescale.dpipe.tracing import ModelTrace, default_example_batch, trace_model
 
 __all__ = ["PipelineModule", "pipeline_parallelize"]
-
-logger = logging.getLogger("vescale.dpipe")
 
 
 class _BackwardAlreadyRan(torch.autograd.Function):
@@ -58,7 +57,9 @@ def _loss_of_last_stage(output: tuple[torch.Tensor, torch.Tensor], target: torch
 class PipelineModule(nn.Module):
     """A model cut into pipeline stages; this rank holds :attr:`stage_indices` of them.
 
-    Build it with :func:`pipeline_parallelize`. ``parameters()`` lists only this rank's.
+    Build it with :func:`pipeline_parallelize`. ``parameters()`` lists only this rank's;
+    ``named_parameters()`` and ``state_dict()`` use the original model's FQNs (no ``module.``
+    prefix), so they are independent of the pipeline size and split.
     """
 
     def __init__(
@@ -78,11 +79,13 @@ class PipelineModule(nn.Module):
         self.device = _current_device(mesh.device_type if mesh is not None else "cpu")
         self.stage_indices = local_stage_indices(plan, self.pp_rank)
         self._output_type = trace.output_type
-        self._tied_parameters = _tied_parameters(model, layout)
+        self._tied_parameters = tied_parameters(model, layout)
         router = StageRouter(model, layout, trace, self.stage_indices)
         model_kwargs = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
+        self.activation_meter = ActivationMeter()
         self._stage_modules = [
-            PipelineStageModule(model, router, index, model_kwargs) for index in self.stage_indices
+            PipelineStageModule(model, router, index, model_kwargs, self.activation_meter)
+            for index in self.stage_indices
         ]
         self._schedules: dict[tuple, Any] = {}
         self._anchor = torch.zeros((), requires_grad=True)
@@ -103,9 +106,18 @@ class PipelineModule(nn.Module):
         for module in self._stage_modules:
             module.logits.clear()
         run = schedule.step if training else schedule.eval
-        run(**batch, target=target, losses=losses if has_labels else None, return_outputs=False)
+        self.activation_meter.reset_peak()
+        with data_parallel_sync_deferred(self):
+            run(**batch, target=target, losses=losses if has_labels else None, return_outputs=False)
         if training and has_labels:
-            self._finish_gradients()
+            finish_pipeline_gradients(
+                self.module.parameters(),
+                self._tied_parameters,
+                local_stages=self.stage_indices,
+                num_microbatches=self.plan.num_microbatches,
+                pp_group=self.pp_group,
+                device=self.device,
+            )
         loss = self._broadcast_loss(losses) if has_labels else None
         if loss is not None and training:
             loss = _BackwardAlreadyRan.apply(self._anchor, loss)
@@ -115,6 +127,28 @@ class PipelineModule(nn.Module):
             # A new schedule's first step also runs PyTorch's shape-inference forward: keep the last m.
             logits = torch.cat(last_stage_module.logits[-self.plan.num_microbatches :])
         return self._output_type(loss=loss, logits=logits)
+
+    # The model's own FQNs, without this wrapper's ``module.`` prefix: a checkpoint, an optimizer
+    # keyed by FQN and data parallelism then see the names the model has without a pipeline, so
+    # they do not depend on the pipeline size or split. Other stages' parameters are ``None``
+    # on this rank and so absent.
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _schedule(self, batch: Mapping[str, Any], training: bool, has_labels: bool) -> Any:
         # PyTorch stages fix their activation shapes on first use: one schedule per input shape.
@@ -133,23 +167,6 @@ class PipelineModule(nn.Module):
             loss_fn = _loss_of_last_stage if has_labels else None
             self._schedules[key] = build_schedule(self.plan, stages, loss_fn)
         return self._schedules[key]
-
-    def _finish_gradients(self) -> None:
-        # PyTorch's schedules accumulate the micro-batches' gradients unscaled; divide once per
-        # parameter (a tied parameter may sit in two stages of this rank).
-        for parameter in self.module.parameters():
-            if parameter.grad is not None:
-                parameter.grad.div_(self.plan.num_microbatches)
-        for fqn, owner_stages, parameter, shape_and_dtype in self._tied_parameters:
-            if not owner_stages.intersection(self.stage_indices):
-                summed = torch.zeros(*shape_and_dtype[0], dtype=shape_and_dtype[1], device=self.device)
-            else:
-                if parameter.grad is None:
-                    parameter.grad = torch.zeros_like(parameter)
-                summed = parameter.grad
-            # Ranks without the parameter add zeros, which keeps the sum exact and the call collective.
-            dist.all_reduce(summed, group=self.pp_group)
-            logger.debug("summed the gradient of tied parameter %s over stages %s", fqn, sorted(owner_stages))
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         last_stage_rank = _stage_rank(self.plan, self.plan.num_stages - 1)
@@ -170,6 +187,19 @@ class PipelineModule(nn.Module):
         """
         return {module.stage_index: module.saved_activation_bytes for module in self._stage_modules}
 
+    def peak_activation_bytes(self) -> int:
+        """The most bytes this rank's stages held saved for backward at once during the last call.
+
+        This is the schedule's in-flight activation memory: GPipe holds every micro-batch's
+        activations before the first backward, 1F1B at most ``size - pp_rank`` micro-batches'.
+
+        Example::
+
+            out = model(**batch)
+            print(model.peak_activation_bytes() / model.activation_bytes()[model.stage_indices[0]])
+        """
+        return self.activation_meter.peak_bytes
+
 
 def _stage_rank(plan: PipelinePlan, stage_index: int) -> int:
     return next(rank for rank in range(plan.size) if stage_index in local_stage_indices(plan, rank))
@@ -188,21 +218,6 @@ def _batch_size(batch: Mapping[str, Any]) -> int:
     raise MicrobatchError(
         f"the batch {sorted(batch)} has no tensor with a batch dimension to cut into micro-batches"
     )
-
-
-def _tied_parameters(
-    model: nn.Module, layout: StageLayout
-) -> list[tuple[str, set[int], nn.Parameter, tuple]]:
-    """Parameters that more than one stage holds (e.g. GPT-2's wte and lm_head), with their stages."""
-    owners: dict[int, tuple[str, set[int], nn.Parameter]] = {}
-    for unit_fqn, stage_index in layout.unit_stage.items():
-        for name, parameter in model.get_submodule(unit_fqn).named_parameters(remove_duplicate=False):
-            owners.setdefault(id(parameter), (f"{unit_fqn}.{name}", set(), parameter))[1].add(stage_index)
-    return [
-        (fqn, stages, parameter, (tuple(parameter.shape), parameter.dtype))
-        for fqn, stages, parameter in owners.values()
-        if len(stages) > 1
-    ]
 
 
 def pipeline_parallelize(

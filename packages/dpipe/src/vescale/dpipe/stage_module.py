@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vescale.dpipe.activation_meter import ActivationMeter
+from vescale.dpipe.dtensor_boundary import from_wire, mesh_of, to_wire
 from vescale.dpipe.errors import PipelineCutError
 from vescale.dpipe.split import StageLayout
 from vescale.dpipe.tracing import ModelTrace
@@ -119,12 +121,22 @@ class PipelineStageModule(nn.Module):
     """The ``nn.Module`` that torch's ``PipelineStage`` runs for one stage of the model.
 
     Its parameters are the stage's own units'; it reports the bytes its last micro-batch
-    forward saved for backward (parameters excluded) in :attr:`saved_activation_bytes`.
+    forward saved for backward (parameters excluded) in :attr:`saved_activation_bytes`, and
+    counts what is in flight across micro-batches in :attr:`activation_meter`.
     """
 
-    def __init__(self, model: nn.Module, router: StageRouter, stage_index: int, model_kwargs: dict) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        router: StageRouter,
+        stage_index: int,
+        model_kwargs: dict,
+        activation_meter: ActivationMeter | None = None,
+    ) -> None:
         super().__init__()
         self.stage_index = stage_index
+        # Shared by the stages of a rank, so that its peak counts all of their micro-batches.
+        self.activation_meter = activation_meter if activation_meter is not None else ActivationMeter()
         self.is_last = stage_index == router.layout.num_stages - 1
         self.saved_activation_bytes = 0
         # The last stage's logits of each forward, detached (the caller clears the list).
@@ -137,21 +149,15 @@ class PipelineStageModule(nn.Module):
 
     def forward(self, *received: torch.Tensor, **batch: Any) -> Any:
         model, router, model_kwargs = self._stage_context
-        router.active_stage, router.received = self.stage_index, (received[0] if received else None)
-        parameter_storages = {p.untyped_storage().data_ptr() for p in self.parameters()}
+        # A tensor-parallel stage receives plain tensors and runs on DTensors (see dtensor_boundary).
+        hidden_state = from_wire(received[0], mesh_of(self)) if received else None
+        router.active_stage, router.received = self.stage_index, hidden_state
         saved_storages: dict[int, int] = {}
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in parameter_storages:
-                saved_storages[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with self.activation_meter.recording(self.parameters()) as saved_storages:
                 output = model(**batch, **model_kwargs)
         except _StageExit as stage_exit:
-            return stage_exit.hidden_state
+            return to_wire(stage_exit.hidden_state)
         finally:
             router.active_stage, router.received = None, None
             self.saved_activation_bytes = sum(saved_storages.values())
@@ -161,7 +167,7 @@ class PipelineStageModule(nn.Module):
                 f"{router.layout.boundaries[self.stage_index]!r}; the model skipped that module for "
                 "this input, so it cannot be cut there"
             )
-        loss = getattr(output, "loss", None)
-        logits = getattr(output, "logits", output)
+        loss = to_wire(getattr(output, "loss", None))
+        logits = to_wire(getattr(output, "logits", output))
         self.logits.append(logits.detach())
         return (loss, logits) if loss is not None else logits

@@ -1,14 +1,15 @@
-"""Memory per device of a parallel run, estimated from one meta-tensor forward of the model.
+"""Peak memory per device of a parallel run, estimated from one meta-tensor forward of the model.
 
 :func:`~vescale.planner.profile.profile_model` measures, without allocating, what one micro-batch
-saves for backward per repeated block; :func:`estimate_from_profile` then divides what one
-device holds for a :class:`ParallelChoices` (all sizes in bytes):
+saves for backward per repeated block; :func:`stage_sizes` then divides what one device of a
+pipeline stage holds for a :class:`ParallelChoices` (all sizes in bytes), and
+:mod:`vescale.planner.peak` finds the moment of the training step at which they add up most:
 
 * ``E`` = parameter elements of the worst pipeline stage (``ceil(blocks / pp)`` blocks plus the
   embedding side or the head side, whichever is larger), each divided by ``tp`` when the
   sharding plan shards it;
-* parameters = ``E * p / (dp if ZeRO-3)``, gradients = ``E * p / (dp if ZeRO >= 2)``, with
-  ``p`` = 4 bytes (fp32) or 2 (bf16);
+* parameters = ``E * p / (dp if ZeRO-3)``, gradients kept after backward = ``E * p / (dp if
+  ZeRO >= 2)``, with ``p`` = 4 bytes (fp32) or 2 (bf16);
 * optimizer state (AdamW) = ``E * (8 + m) / (dp if ZeRO >= 1)``: two fp32 moments, plus ``m`` = 4
   bytes of fp32 master weights in bf16 mixed precision (0 in fp32);
 * activations = ``in_flight * (sum of A_block over the stage's blocks + A_outside)``, where
@@ -18,10 +19,14 @@ device holds for a :class:`ParallelChoices` (all sizes in bytes):
   ``tp`` inside the tensor-parallel region (everything but the inputs of
   column-parallel projections, integer tensors, and the tensors of unsharded modules with
   parameters such as norms, which only sequence parallelism divides); with
-  ``activation_checkpointing="full"`` a block keeps only its input and one block's activations
-  exist at a time during recomputation. ``in_flight`` is 1 without a pipeline, else the
-  micro-batches the first stage holds: ``min(num_microbatches, pp)`` (1F1B) or
-  ``num_microbatches`` (GPipe). ``"selective"`` is estimated as ``"none"`` (an upper bound).
+  ``activation_checkpointing="full"`` a block keeps only its input (the forward keeps
+  ``blocks * input + A_outside``), and one block's activations exist again while it is
+  recomputed. ``in_flight`` is 1 without a pipeline, else the micro-batches the first stage
+  holds: ``min(num_microbatches, pp)`` (1F1B) or ``num_microbatches`` (GPipe). ``"selective"``
+  is estimated as ``"none"`` (an upper bound).
+
+The :class:`MemoryEstimate` gives each part as held at the peak moment, and the short-lived
+buffers there (``temporaries``); ``total`` is the peak.
 
 Example::
 
@@ -42,9 +47,10 @@ from torch.distributed.tensor import Replicate
 
 from vescale.dmodule.sharding_plan import ShardingPlan
 from vescale.planner.errors import PlanError
+from vescale.planner.peak import StageSizes, peak_moments
 from vescale.planner.profile import ModelProfile, profile_model
 
-__all__ = ["MemoryEstimate", "ParallelChoices", "estimate_from_profile", "estimate_memory"]
+__all__ = ["MemoryEstimate", "ParallelChoices", "estimate_from_profile", "estimate_memory", "stage_sizes"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,11 @@ class ParallelChoices:
 class MemoryEstimate:
     """Bytes one device holds at its peak, by part (see the module docstring for the formula).
 
+    Each part is what is held at the peak moment (:mod:`vescale.planner.peak`): at the start of
+    backward every activation the forward kept, at the optimizer step none. ``temporaries`` are
+    the short-lived buffers there (loss gradients, ZeRO-3's unsharded parameters, the ZeRO-1/2
+    parameter all-gather); plans written before it existed read it as 0.
+
     Example::
 
         estimate = estimate_memory(model, ParallelChoices())
@@ -79,11 +90,12 @@ class MemoryEstimate:
     gradients: int
     optimizer_states: int
     activations: int
+    temporaries: int = 0
 
     @property
     def total(self) -> int:
         """The sum of the parts, in bytes."""
-        return self.parameters + self.gradients + self.optimizer_states + self.activations
+        return self.parameters + self.gradients + self.optimizer_states + self.activations + self.temporaries
 
     def to_dict(self) -> dict[str, int]:
         """The parts as a JSON-ready dict of bytes."""
@@ -93,6 +105,8 @@ class MemoryEstimate:
     def from_dict(cls, parts: dict[str, Any]) -> MemoryEstimate:
         """The estimate that :meth:`to_dict` wrote; raises ``PlanError`` naming a bad part."""
         names = [field.name for field in dataclasses.fields(cls)]
+        if isinstance(parts, dict) and "temporaries" not in parts:
+            parts = {**parts, "temporaries": 0}  # written before the estimate had temporaries
         if not isinstance(parts, dict) or sorted(parts) != sorted(names):
             raise PlanError(
                 f"memory_estimate must be a dict with exactly the keys {names} (bytes), got {parts!r}"
@@ -133,13 +147,82 @@ def _activation_divisors(profile: ModelProfile, choices: ParallelChoices) -> dic
     return divisors
 
 
-def estimate_from_profile(profile: ModelProfile, choices: ParallelChoices) -> MemoryEstimate:
-    """The memory per device of ``choices`` from a profile (the formula is the module docstring's).
+def _stage_sizes(profile: ModelProfile, choices: ParallelChoices, side: str) -> StageSizes:
+    """What one device of the pipeline stage on ``side`` holds before ZeRO divides it."""
+    tp, pp, dp, zero = (
+        choices.tensor_parallel_size,
+        choices.pipeline_parallel_size,
+        choices.data_parallel_size,
+        choices.zero_stage,
+    )
+    bf16 = choices.mixed_precision == "bf16"
+    parameter_bytes = 2 if bf16 else 4
+    blocks_per_stage = math.ceil(profile.num_blocks / pp) if profile.num_blocks else 0
+    # The first stage holds the first blocks, the last stage the last ones.
+    first_block = profile.num_blocks - blocks_per_stage if side == "last" else 0
+    stage_blocks = range(first_block, first_block + blocks_per_stage)
+    elements, outside_elements, head_elements, largest = 0.0, 0.0, 0.0, 0.0
+    block_elements: dict[int, float] = {}
+    for record in profile.parameters:
+        on_stage = record.block in stage_blocks
+        on_stage = on_stage or (record.block is None and side in ("all", record.side))
+        if not on_stage:
+            continue
+        local = record.numel / (tp if tp > 1 and _tp_sharded(choices.sharding_plan, record.fqn) else 1)
+        elements += local
+        largest = max(largest, local)
+        if record.block is None:
+            outside_elements += local
+            head_elements += local if record.side == "last" else 0.0
+        else:
+            block_elements[record.block] = block_elements.get(record.block, 0.0) + local
+    divisors = _activation_divisors(profile, choices)
+    per_block: dict[int, float] = {}
+    outside = first_side = largest_output = 0.0
+    for record in profile.saved:
+        scale = 0.5 if bf16 and record.is_float else 1.0
+        nbytes = record.nbytes * scale / (divisors[record.module_fqn] if record.is_float else 1)
+        if record.block in stage_blocks:
+            per_block[record.block] = per_block.get(record.block, 0.0) + nbytes
+        elif record.block is None and side in ("all", record.side):
+            outside += nbytes
+            first_side += nbytes if record.side == "first" else 0.0
+            if record.side == "last" and record.is_float:
+                largest_output = max(largest_output, nbytes)
+    largest_block = max(per_block.values(), default=0.0)
+    recompute, last = 0.0, first_side + largest_block
+    if choices.activation_checkpointing == "full":
+        kept = blocks_per_stage * profile.block_input_bytes / (tp if choices.sequence_parallel else 1)
+        stage_activations = kept + outside
+        # One block's activations exist again while it is recomputed, once the head's are freed.
+        recompute = max(0.0, largest_block - (outside - first_side))
+        last += profile.block_input_bytes / (tp if choices.sequence_parallel else 1)
+    else:
+        stage_activations = sum(per_block.values()) + outside
+    in_flight = 1
+    if pp > 1 and side == "first":
+        gpipe = choices.schedule == "gpipe"
+        in_flight = choices.num_microbatches if gpipe else min(choices.num_microbatches, pp)
+    return StageSizes(
+        parameters=elements * parameter_bytes,
+        outside_parameters=outside_elements * parameter_bytes,
+        head_parameters=head_elements * parameter_bytes,
+        largest_block_parameters=max(block_elements.values(), default=0.0) * parameter_bytes,
+        largest_parameter=largest * 4,  # the optimizer steps fp32 tensors (masters in bf16)
+        optimizer_states=elements * (8 + (4 if bf16 else 0)) / (dp if zero >= 1 else 1),
+        activations=in_flight * stage_activations,
+        last_activations=in_flight * last,
+        loss_gradients=2 * largest_output,
+        recompute=recompute,
+    )
+
+
+def stage_sizes(profile: ModelProfile, choices: ParallelChoices) -> list[StageSizes]:
+    """The sizes of each pipeline stage that bounds memory: the first and the last (or the only one).
 
     Example::
 
-        profile = profile_model(model, sequence_length=512)
-        estimate_from_profile(profile, ParallelChoices(sequence_length=512)).total
+        forward_activations = max(sizes.activations for sizes in stage_sizes(profile, choices))
     """
     taken = (profile.micro_batch_size, profile.sequence_length)
     if (choices.micro_batch_size, choices.sequence_length) != taken:
@@ -153,54 +236,24 @@ def estimate_from_profile(profile: ModelProfile, choices: ParallelChoices) -> Me
             f"tensor_parallel_size={choices.tensor_parallel_size} needs the sharding_plan (which tensors "
             "it divides); pass ParallelChoices(sharding_plan=plan_tensor_parallel(model).plan, ...)"
         )
-    tp, pp, dp, zero = (
-        choices.tensor_parallel_size,
-        choices.pipeline_parallel_size,
-        choices.data_parallel_size,
-        choices.zero_stage,
-    )
-    blocks_per_stage = math.ceil(profile.num_blocks / pp) if profile.num_blocks else 0
-    sides = ("first", "last") if pp > 1 else ("all",)
-    bf16 = choices.mixed_precision == "bf16"
-    plan = choices.sharding_plan
-    divisors = _activation_divisors(profile, choices)
+    sides = ("first", "last") if choices.pipeline_parallel_size > 1 else ("all",)
+    return [_stage_sizes(profile, choices, side) for side in sides]
+
+
+def estimate_from_profile(profile: ModelProfile, choices: ParallelChoices) -> MemoryEstimate:
+    """The peak memory per device of ``choices`` from a profile (module docstring, :mod:`~.peak`).
+
+    Example::
+
+        profile = profile_model(model, sequence_length=512)
+        estimate_from_profile(profile, ParallelChoices(sequence_length=512)).total
+    """
     best: MemoryEstimate | None = None
-    for side in sides:
-        # The first stage holds the first blocks, the last stage the last ones.
-        first_block = profile.num_blocks - blocks_per_stage if side == "last" else 0
-        stage_blocks = range(first_block, first_block + blocks_per_stage)
-        elements = 0.0
-        for record in profile.parameters:
-            on_stage = record.block in stage_blocks
-            on_stage = on_stage or (record.block is None and side in ("all", record.side))
-            if on_stage:
-                elements += record.numel / (tp if tp > 1 and _tp_sharded(plan, record.fqn) else 1)
-        per_block: dict[int, float] = {}
-        outside = 0.0
-        for record in profile.saved:
-            scale = 0.5 if bf16 and record.is_float else 1.0
-            nbytes = record.nbytes * scale / (divisors[record.module_fqn] if record.is_float else 1)
-            if record.block in stage_blocks:
-                per_block[record.block] = per_block.get(record.block, 0.0) + nbytes
-            elif record.block is None and side in ("all", record.side):
-                outside += nbytes
-        if choices.activation_checkpointing == "full":
-            kept = blocks_per_stage * profile.block_input_bytes / (tp if choices.sequence_parallel else 1)
-            # One block's activations exist again while it is recomputed for its backward.
-            stage_activations = kept + max(per_block.values(), default=0.0) + outside
-        else:
-            stage_activations = sum(per_block.values()) + outside
-        in_flight = 1
-        if pp > 1 and side == "first":
-            gpipe = choices.schedule == "gpipe"
-            in_flight = choices.num_microbatches if gpipe else min(choices.num_microbatches, pp)
-        parameter_bytes = 2 if bf16 else 4
-        estimate = MemoryEstimate(
-            parameters=int(elements * parameter_bytes / (dp if zero == 3 else 1)),
-            gradients=int(elements * parameter_bytes / (dp if zero >= 2 else 1)),
-            optimizer_states=int(elements * (8 + (4 if bf16 else 0)) / (dp if zero >= 1 else 1)),
-            activations=int(in_flight * stage_activations),
+    for sizes in stage_sizes(profile, choices):
+        moments = peak_moments(
+            sizes, choices.data_parallel_size, choices.zero_stage, num_microbatches=choices.num_microbatches
         )
+        estimate = MemoryEstimate(*(int(part) for part in max(moments.values(), key=sum)))
         if best is None or estimate.total > best.total:
             best = estimate
     return best

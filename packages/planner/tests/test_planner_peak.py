@@ -1,0 +1,125 @@
+"""The peak moment of a training step: which parts each moment holds, exactly, for a tiny Llama.
+
+The expected bytes are computed here from the model's own parameters (float32, 4 bytes each)
+and the documented behaviour of the packages that run the step (doptim's persistent ZeRO-0/1
+gradient buckets and its all-bucket parameter all-gather, FSDP2 keeping the root unit
+unsharded through backward, autograd producing the head's gradients first), never from the
+estimator; every size is an integer, so every comparison is exact. That the moments add up
+to a measured peak is what ``tools/bench/plan_memory.py`` shows (within 5% for 5 plans).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vescale.dmodule import plan_tensor_parallel
+from vescale.dtensor.testing.models.tiny_hf import build_tiny_hf_model
+from vescale.planner import ParallelChoices, estimate_memory
+from vescale.planner.memory import stage_sizes
+from vescale.planner.peak import DEFAULT_BUCKET_BYTES, peak_moments
+from vescale.planner.profile import profile_model
+
+BATCH, SEQUENCE = 2, 8
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build_tiny_hf_model("llama")
+
+
+def parameter_bytes(model, prefixes: tuple[str, ...] = ("",)) -> int:
+    return sum(4 * p.numel() for name, p in model.named_parameters() if name.startswith(prefixes))
+
+
+def logits_bytes(model) -> int:
+    return 4 * BATCH * SEQUENCE * model.config.vocab_size
+
+
+def moments_of(model, **choices):
+    choices = ParallelChoices(micro_batch_size=BATCH, sequence_length=SEQUENCE, **choices)
+    (sizes,) = stage_sizes(profile_model(model, SEQUENCE, BATCH), choices)
+    return sizes, peak_moments(sizes, choices.data_parallel_size, choices.zero_stage)
+
+
+def test_the_estimate_is_the_largest_moment_and_its_parts_add_up(llama):
+    choices = ParallelChoices(
+        micro_batch_size=BATCH, sequence_length=SEQUENCE, data_parallel_size=2, zero_stage=1
+    )
+    _, moments = moments_of(llama, data_parallel_size=2, zero_stage=1)
+    largest = max(moments.values(), key=sum)
+    estimate = estimate_memory(llama, choices)
+    names = ["parameters", "gradients", "optimizer_states", "activations", "temporaries"]
+    assert estimate.to_dict() == dict(zip(names, (int(part) for part in largest), strict=True))
+    assert estimate.total == max(sum(int(part) for part in parts) for parts in moments.values())
+
+
+def test_zero1_keeps_every_gradient_through_backward_and_all_gathers_every_bucket_at_the_step(llama):
+    whole = parameter_bytes(llama)
+    assert whole < DEFAULT_BUCKET_BYTES  # one bucket holds the whole tiny model
+    sizes, moments = moments_of(llama, data_parallel_size=2, zero_stage=1)
+    start = moments["start of backward"]
+    # Persistent buckets: every gradient is held while the forward's activations still are.
+    assert start[:2] == (whole, whole) and start[3] == sizes.activations
+    assert start[2] == 2 * whole / 2  # two fp32 moments per 4-byte element, over dp=2
+    assert start[4] == 2 * logits_bytes(llama)  # gradients of the log-probabilities and of the logits
+    step = moments["optimizer step"]
+    # This rank's chunks (1/dp) and the gathered parameters (all buckets), plus one bucket's flat copy.
+    assert step[3] == 0 and step[4] == whole // 2 + whole + whole
+
+
+def test_zero3_holds_the_unsharded_root_and_one_block_through_backward(llama):
+    whole = parameter_bytes(llama)
+    root = whole - parameter_bytes(llama, ("model.layers.",))
+    block = parameter_bytes(llama, ("model.layers.0.",))
+    head = parameter_bytes(llama, ("lm_head.", "model.norm."))
+    _, moments = moments_of(llama, data_parallel_size=2, zero_stage=3)
+    parameters, gradients, _, _, temporaries = moments["start of backward"]
+    assert parameters == whole / 2
+    assert gradients == head / 2  # the head's sharded gradients come first
+    assert temporaries == root + block + 2 * logits_bytes(llama)
+    assert moments["end of backward"][1] == whole / 2
+    # Deep in backward: the root, the block computed, the one prefetched and a block's gradients.
+    assert moments["end of backward"][4] == root + 3 * block
+
+
+def test_tensor_parallel_without_dp_holds_only_the_heads_gradients_when_backward_starts(llama):
+    plan = plan_tensor_parallel(llama).plan
+    _, moments = moments_of(llama, tensor_parallel_size=2, sharding_plan=plan)
+    # lm_head is sharded over tp; the final norm is whole on every tp rank.
+    head = parameter_bytes(llama, ("lm_head.",)) // 2 + parameter_bytes(llama, ("model.norm.",))
+    assert moments["start of backward"][1] == head
+    local = moments["optimizer step"][1]
+    assert local < parameter_bytes(llama) and moments["optimizer step"][3] == 0
+
+
+def test_zero2_holds_one_bucket_at_backward_start_and_its_chunks_after(llama):
+    whole = parameter_bytes(llama)
+    _, moments = moments_of(llama, data_parallel_size=4, zero_stage=2)
+    assert moments["start of backward"][1] == min(whole, DEFAULT_BUCKET_BYTES)
+    assert moments["optimizer step"][1] == whole / 4
+
+
+def test_full_checkpointing_recomputes_a_block_once_the_heads_activations_are_freed(llama):
+    none, _ = moments_of(llama)
+    full, moments = moments_of(llama, activation_checkpointing="full")
+    assert full.activations < none.activations
+    profile = profile_model(llama, SEQUENCE, BATCH)
+    # The largest block: the first, which also saves the rotary tables.
+    block = max(sum(record.nbytes for record in profile.saved if record.block == index) for index in (0, 1))
+    head = sum(record.nbytes for record in profile.saved if record.block is None and record.side == "last")
+    assert full.recompute == max(0, block - head)
+    assert moments["start of backward"][4] == max(2 * logits_bytes(llama), full.recompute)
+
+
+def test_accumulated_micro_batches_start_backward_with_every_gradient_held(llama):
+    one_micro_batch = moments_of(llama)[1]
+    sizes, _ = moments_of(llama)
+    accumulating = peak_moments(sizes, 1, 0, num_microbatches=2)
+    whole = parameter_bytes(llama)
+    head = parameter_bytes(llama, ("lm_head.", "model.norm."))
+    assert one_micro_batch["start of backward"][1] == head
+    assert accumulating["start of backward"][1] == whole
+    estimate = estimate_memory(
+        llama, ParallelChoices(micro_batch_size=BATCH, sequence_length=SEQUENCE, num_microbatches=2)
+    )
+    assert estimate.total == max(sum(int(part) for part in parts) for parts in accumulating.values())

@@ -1,0 +1,262 @@
+"""generate_plan's memory estimate per rank against the measured peak of real training steps.
+
+    .venv/bin/python tools/bench/plan_memory.py                    # every plan, 3 AdamW steps
+    .venv/bin/python tools/bench/plan_memory.py --plans "dp2 ZeRO-1" "tp2 SP" --steps 2
+    .venv/bin/python tools/bench/plan_memory.py --glibc-default    # glibc's dynamic mmap threshold
+
+Each plan is chosen by ``generate_plan(model, constraints, world_size=N)`` for a Llama-shaped
+``transformers`` model (14M parameters, float32: tens of MiB of states and activations per rank)
+and applied with the component APIs on ``N`` CPU gloo ranks, one thread each:
+``vescale.dmodule.deferred_init`` + ``parallelize_module`` with the plan's sharding plan (or
+``materialize_module`` without tensor parallelism), ``vescale.doptim.data_parallel`` at the
+plan's ZeRO stage and ``DistributedOptimizer(AdamW)``, and the model's own gradient
+checkpointing (non-reentrant, per decoder layer) when the plan asks for
+``activation_checkpointing="full"``. Every dp rank trains on its own rows of the global batch.
+
+Measured: the peak resident-set growth per rank over the baseline taken after imports, the
+process group and one warm-up step of a tiny model (one-time library set-up: thread pools,
+kernels' scratch), through model set-up and ``--steps`` training steps. The peak is the larger
+of the kernel's own high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs`` at the
+baseline, after ``malloc_trim``: no sampling, so no short-lived tensor is missed however loaded
+the machine is; the kernel batches its counters, so it may trail by a few hundred KiB) and the
+every-millisecond sample of ``PeakResident`` (``vescale.dtensor.testing.memory``), which is
+printed next to it. The worst rank is
+reported, with what the forward keeps for backward (resident growth over the last forward,
+after ``malloc_trim``) next to the estimate's activations of the forward.
+
+Each rank fixes glibc's mmap threshold at 128 KiB first (``--glibc-default`` does not): by
+default glibc raises it after every large free, so that freed tensors stay resident as
+heap and the resident set measures glibc's caching instead of the tensors alive (up to +30%
+here). The estimate models tensors, as a device's allocator reports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import re
+
+import torch
+import torch.distributed as dist
+
+from vescale.dtensor.testing import run_on_ranks, shutdown_rank_pool
+
+MiB = 2**20
+SEQUENCE_LENGTH = 256
+MICRO_BATCH = 2
+# name -> (world size, constraints); sequence length and batch are added for every plan.
+PLANS: dict[str, tuple[int, dict]] = {
+    "dp2 ZeRO-1": (2, {"data_parallel.size": 2, "zero.stage": 1}),
+    "dp2 ZeRO-1 ckpt": (2, {"data_parallel.size": 2, "zero.stage": 1, "activation_checkpointing": "full"}),
+    "dp2 ZeRO-3": (2, {"data_parallel.size": 2, "zero.stage": 3}),
+    "tp2 SP": (2, {"tensor_parallel.size": 2, "sequence_parallel": True}),
+    "dp2xtp2 SP ZeRO-2": (4, {"data_parallel.size": 2, "tensor_parallel.size": 2, "zero.stage": 2}),
+    # Chosen by generate_plan alone for a small budget: its measured peak must stay under it.
+    "auto, 0.25 GiB": (2, {"memory_per_device_gb": 0.25}),
+    "auto, 0.2 GiB": (2, {"memory_per_device_gb": 0.2}),
+}
+
+
+def llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=4096,
+        max_position_embeddings=SEQUENCE_LENGTH,
+        attn_implementation="sdpa",
+        tie_word_embeddings=False,
+    )
+
+
+def _resident() -> int:
+    from vescale.dtensor.testing.memory import release_free_heap, resident_bytes
+
+    release_free_heap()
+    return resident_bytes()
+
+
+def _high_water_mark() -> int:
+    with open("/proc/self/status") as status:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", status.read()).group(1)) * 1024
+
+
+def _reset_high_water_mark() -> None:
+    _resident()  # malloc_trim first, so that free heap pages do not hold the mark up
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def _warm_up() -> None:
+    """One training step of a tiny model: the one-time set-up of the libraries is not the plan's."""
+    from transformers import LlamaForCausalLM
+
+    from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
+
+    model = LlamaForCausalLM(tiny_hf_config("llama"))
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.AdamW(model.parameters()).step()
+
+
+def _build(plan_json: str, mesh):
+    from transformers import LlamaForCausalLM
+
+    from vescale.dmodule import deferred_init, materialize_module, parallelize_module
+    from vescale.doptim import data_parallel
+    from vescale.planner import Plan
+
+    plan = Plan.from_json(plan_json)
+    torch.manual_seed(0)
+    model = deferred_init(LlamaForCausalLM, llama_config())
+    if plan.sharding_plan is not None:
+        parallelize_module(model, mesh, plan.sharding_plan)
+    else:
+        materialize_module(model)
+    model.train()
+    if plan.activation_checkpointing == "full":
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if plan.mesh_size("dp") > 1:
+        data_parallel(model, mesh, zero_stage=plan.data_parallel.zero_stage)
+    return model
+
+
+def _fix_mmap_threshold() -> None:
+    """Have glibc ``mmap`` every allocation from 128 KiB up, and so unmap it on free.
+
+    By default glibc raises its mmap threshold to the size of each large block freed (up to
+    32 MiB), after which tensors of that size come from the heap and, once freed, stay in the
+    resident set until a ``malloc_trim``: the resident set then measures glibc's caching, not
+    the tensors alive. A fixed threshold keeps it following live tensor memory.
+    """
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    m_mmap_threshold = -3  # glibc's malloc.h
+    libc.mallopt(m_mmap_threshold, 128 * 1024)
+
+
+def measure_rank(plan_json: str, steps: int, glibc_default: bool) -> dict:
+    from vescale.doptim import DistributedOptimizer
+    from vescale.dtensor import init_mesh
+    from vescale.dtensor.testing.memory import PeakResident
+    from vescale.planner import Plan
+
+    plan = Plan.from_json(plan_json)
+    if not glibc_default:
+        _fix_mmap_threshold()
+    mesh = init_mesh(**{dim: size for dim, size in plan.mesh if size > 1})
+    _warm_up()
+    dp_rank = mesh.get_local_rank("dp") if plan.mesh_size("dp") > 1 else 0
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, 4096, (plan.global_batch_size, SEQUENCE_LENGTH), generator=generator)
+    share = plan.global_batch_size // plan.mesh_size("dp")
+    micro_batches = rows[dp_rank * share : (dp_rank + 1) * share].split(plan.micro_batch_size)
+    dist.barrier()
+    _reset_high_water_mark()
+    base = _resident()
+    forward_growth = 0
+    with PeakResident() as sampled:
+        model = _build(plan_json, mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if plan.mesh_size("dp") > 1:
+            optimizer = DistributedOptimizer(optimizer)
+        for _ in range(steps):
+            for input_ids in micro_batches:
+                before_forward = _resident()
+                output = model(input_ids=input_ids, labels=input_ids)
+                # What the forward keeps (the last step's: the optimizer state exists by then).
+                forward_growth = _resident() - before_forward
+                output.loss.backward()
+                del output
+            optimizer.step()
+            optimizer.zero_grad()
+    return {
+        "peak": _high_water_mark() - base,
+        "sampled peak": sampled.peak - base,
+        "forward": forward_growth,
+    }
+
+
+def plan_for(name: str, model) -> tuple[int, object]:
+    from vescale.planner import generate_plan
+
+    world_size, constraints = PLANS[name]
+    dp = constraints.get("data_parallel.size", world_size)
+    sizes = {
+        "sequence_length": SEQUENCE_LENGTH,
+        "micro_batch_size": MICRO_BATCH,
+        "global_batch_size": dp * MICRO_BATCH,
+        "memory_per_device_gb": 64.0,
+    }
+    return world_size, generate_plan(model, {**sizes, **constraints}, world_size=world_size)
+
+
+def predicted_forward_activations(model, plan) -> int:
+    """What the plan's estimate says the forward keeps for backward on the worst stage."""
+    from vescale.planner.memory import stage_sizes
+    from vescale.planner.profile import profile_model
+
+    profile = profile_model(model, plan.sequence_length, plan.micro_batch_size)
+    return int(max(sizes.activations for sizes in stage_sizes(profile, plan.parallel_choices())))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--glibc-default", action="store_true", help="keep glibc's dynamic mmap threshold (see README)"
+    )
+    args = parser.parse_args()
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        meta_model = LlamaForCausalLM(llama_config())
+    print(
+        f"Llama {sum(p.numel() for p in meta_model.parameters()) / 1e6:.1f}M parameters, float32, "
+        f"micro-batch {MICRO_BATCH} x {SEQUENCE_LENGTH} tokens per dp rank, {args.steps} AdamW steps, "
+        f"glibc mmap threshold {'dynamic' if args.glibc_default else 'fixed at 128 KiB'}\n"
+    )
+    columns = ["params", "grads", "optimizer", "activations", "temporaries", "estimate", "measured peak"]
+    columns += ["sampled", "ratio", "forward keeps (est)", "forward keeps (measured)"]
+    rows = ["| plan | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    notes: list[str] = []
+    for name in args.plans:
+        world_size, plan = plan_for(name, meta_model)
+        results = run_on_ranks(
+            measure_rank, world_size, args=(plan.to_json(), args.steps, args.glibc_default), timeout_s=600
+        )
+        # Fresh rank processes for the next plan: nothing of this one (heap arenas, caches) carries over.
+        shutdown_rank_pool()
+        for growth in results:
+            growth["peak"] = max(growth["peak"], growth["sampled peak"])
+        worst = max(results, key=lambda growth: growth["peak"])
+        estimate = plan.memory_estimate
+        cells = [f"{value / MiB:.1f}" for value in estimate.to_dict().values()]
+        cells += [f"{value / MiB:.1f}" for value in (estimate.total, worst["peak"], worst["sampled peak"])]
+        cells.append(f"{estimate.total / worst['peak']:.3f}")
+        forward = max(result["forward"] for result in results)
+        cells += [f"{predicted_forward_activations(meta_model, plan) / MiB:.1f}", f"{forward / MiB:.1f}"]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+        print(rows[-1], flush=True)
+        if "memory_per_device_gb" in PLANS[name][1]:
+            budget = plan.memory_per_device_gb * 2**30
+            verdict = "within" if worst["peak"] <= budget else "OVER"
+            notes.append(
+                f"{name}: generate_plan chose {dict(plan.mesh)}, ZeRO-{plan.data_parallel.zero_stage}, "
+                f"checkpointing {plan.activation_checkpointing!r}; measured peak "
+                f"{worst['peak'] / MiB:.1f} MiB {verdict} the budget {budget / MiB:.1f} MiB"
+            )
+    print("\nMiB per rank (worst rank); ratio = estimate / measured peak\n")
+    print("\n".join(rows))
+    print("\n" + "\n".join(notes))
+
+
+if __name__ == "__main__":
+    main()

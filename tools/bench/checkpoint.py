@@ -16,7 +16,10 @@ export row runs ``export_hf`` on the large checkpoint in a fresh process and rep
 peak-RSS growth. The async rows measure the first save of a fresh process (cold: its staging
 memory is faulted in while the caller waits), the steady state, and the first save of fresh
 ranks that called ``prepare_async_save`` at start-up, each over the same library's
-synchronous save of the large state. The raw rate is the better of two raw writes.
+synchronous save of the large state. The raw rate is the better of two raw writes. The RSS
+rows make ``--saves`` async saves of one ``--rss-mib`` state on 2 fresh ranks (keep_last=2)
+and give each rank's resident memory after the first and the last save, and its largest
+growth over the first.
 """
 
 from __future__ import annotations
@@ -138,6 +141,21 @@ def prepared_async_on_ranks(root: str, count: int, numel: int) -> dict[str, floa
     return {"first_s": first_s, "prepare_s": prepare_s}
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_over_async_saves_on_ranks(root: str, count: int, numel: int, saves: int) -> list[int]:
+    """This rank's resident bytes after each of ``saves`` async saves of the same state (keep_last=2)."""
+    holder = _Holder(_state(count, numel, ["S(0)"]))
+    resident = []
+    for step in range(saves):
+        save(Path(root) / f"step-{step:03d}", {"model": holder}, async_save=True, keep_last=2).result()
+        resident.append(_resident_bytes())
+    return resident
+
+
 def _rchar() -> int:
     with open("/proc/self/io") as io_counters:
         return next(int(line.split()[1]) for line in io_counters if line.startswith("rchar"))
@@ -212,6 +230,8 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=512, help="size of the large state, in 64 tensors")
     parser.add_argument("--small-count", type=int, default=4096, help="number of 16 KiB tensors")
     parser.add_argument("--directory", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--rss-mib", type=int, default=128, help="state size of the RSS-over-saves run")
+    parser.add_argument("--saves", type=int, default=20, help="async saves in the RSS-over-saves run")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.directory) as scratch:
         large_root, small_root = Path(scratch) / "large", Path(scratch) / "small"
@@ -237,6 +257,12 @@ def main() -> None:
             prepared_async_on_ranks, 2, args=(str(prepared_root), 64, large_numel), timeout_s=1800
         )[0]
         export_growth = _export_peak_growth(large_root / "vescale", Path(scratch) / "hf-export")
+        rss_root = Path(scratch) / "rss"
+        rss_root.mkdir()
+        rss_numel = args.rss_mib * (1 << 20) // 4 // 64
+        rss_per_rank = run_on_ranks(
+            rss_over_async_saves_on_ranks, 2, args=(str(rss_root), 64, rss_numel, args.saves), timeout_s=1800
+        )
     large_bytes = large["tensor_bytes"]
     raw_rate = large_bytes / large["raw_s"]
     print(f"2 gloo ranks; large: 64 tensors, {large_bytes >> 20} MiB; small: {args.small_count} x 16 KiB")
@@ -321,6 +347,17 @@ def main() -> None:
             "<= 1.05",
         )
     )
+    for rank, resident in enumerate(rss_per_rank):
+        growth = [value - resident[0] for value in resident]
+        print(
+            _row(
+                f"RSS over {args.saves} async saves of {args.rss_mib} MiB, rank {rank}: "
+                "after 1st / last, MiB (max growth)",
+                f"{resident[0] / 2**20:.0f} / {resident[-1] / 2**20:.0f} (+{max(growth) / 2**20:.1f})",
+                "-",
+                "stable",
+            )
+        )
     largest = large_bytes // 64
     print(
         _row(

@@ -184,7 +184,8 @@ def read_targets(directory: Path, index: CheckpointIndex, targets: dict[str, tor
         name: TensorLayout.of(target, world_size, name, locals_by_name[name])
         for name, target in targets.items()
     }
-    shared = SharedReads.plan(layouts, {name: t.dtype for name, t in targets.items()}, rank)
+    plain = frozenset(name for name, target in targets.items() if not isinstance(target, DTensor))
+    shared = SharedReads.plan(layouts, {name: t.dtype for name, t in targets.items()}, rank, plain)
     with ShardReader(directory, index) as reader, torch.no_grad():
         for name, layout in layouts.items():
             own = [box for box in layout.local_boxes(rank) if not shared.is_shared(name, box.box)]

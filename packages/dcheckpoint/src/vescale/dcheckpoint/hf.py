@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,6 +33,13 @@ from vescale.dcheckpoint.api import LoadResult, read_index, read_targets
 from vescale.dcheckpoint.async_save import wait_for_pending_save
 from vescale.dcheckpoint.errors import CheckpointMismatchError, CheckpointUsageError
 from vescale.dcheckpoint.hf_format import HF_INDEX_NAME, HF_SINGLE_NAME, read_hf_index
+from vescale.dcheckpoint.hf_keys import (
+    check_on_every_rank,
+    declared_ties,
+    match_keys,
+    quoted_names,
+    tensor_aliases,
+)
 from vescale.dcheckpoint.index import CheckpointIndex
 from vescale.dcheckpoint.layout import Box
 from vescale.dcheckpoint.reader import ShardReader
@@ -43,27 +51,14 @@ __all__ = ["DEFAULT_MAX_SHARD_BYTES", "export_hf", "load_hf"]
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 
-def _names(names: set[str]) -> str:
-    ordered = sorted(names)
-    return ", ".join(repr(n) for n in ordered[:5]) + (
-        f" and {len(ordered) - 5} more" if len(ordered) > 5 else ""
-    )
-
-
-def _tied_names(model: nn.Module) -> dict[str, set[str]]:
-    """Each state-dict key and the other keys that are the same tensor (tied parameters)."""
-    by_tensor: dict[int, set[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        by_tensor.setdefault(id(tensor), set()).add(name)
-    return {name: names - {name} for names in by_tensor.values() for name in names}
-
-
 def load_hf(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool = True) -> LoadResult:
     """Load a Hugging Face safetensors checkpoint into ``model`` in place; every rank calls it.
 
-    ``model`` may hold DTensor parameters in any layout: each rank reads only the byte ranges
-    of its shards, and replicated parameters are read once and sent. A file dtype other than
-    the parameter's is converted (as ``from_pretrained`` does).
+    ``model`` may hold DTensor parameters in any layout (tensor parallel, ZeRO-3) or only its
+    pipeline stages' parameters: each rank reads only the byte ranges of its shards, and
+    replicated parameters are read once and sent. Keys are checked over all ranks together
+    (see :mod:`hf_keys`), so a pipeline stage needs no ``strict=False``. A file dtype other
+    than the parameter's is converted (as ``from_pretrained`` does).
 
     Example::
 
@@ -76,24 +71,15 @@ def load_hf(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool = True)
     with gc_paused():
         index = read_hf_index(directory)
         live = model.state_dict()
-        tied = _tied_names(model)
-        in_files = set(index.tensors)
-        missing = {name for name in live if name not in in_files and not tied.get(name, set()) & in_files}
-        unexpected = in_files - set(live)
-        if strict and (missing or unexpected):
-            raise CheckpointMismatchError(
-                f"the model does not match the Hugging Face checkpoint {str(directory)!r}: missing "
-                f"{_names(missing) or 'none'}; unexpected {_names(unexpected) or 'none'}. Build the model "
-                "from the checkpoint's config.json, or pass strict=False"
-            )
+        shapes = {name: record.shape for name, record in index.tensors.items()}
+        match = match_keys(live, tensor_aliases(model), declared_ties(model), shapes)
+        check_on_every_rank(match, set(index.tensors), str(directory), strict=strict)
+        # Each target reads its source's record; a tied key whose source is on another stage
+        # reads the source's bytes under its own name.
+        view = replace(index, tensors={name: index.tensors[source] for name, source in match.sources.items()})
         targets, conversions = {}, []
-        for name in sorted(in_files & set(live)):
-            record, tensor = index.tensors[name], live[name]
-            if record.shape != tuple(tensor.shape):
-                raise CheckpointMismatchError(
-                    f"{name!r}: the Hugging Face file holds shape {record.shape}, the model has "
-                    f"{tuple(tensor.shape)}; build the model from the checkpoint's config.json"
-                )
+        for name in match.sources:
+            record, tensor = view.tensors[name], live[name]
             if record.dtype == tensor.dtype:
                 targets[name] = tensor
             else:
@@ -101,7 +87,7 @@ def load_hf(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool = True)
                 converted = tensor.detach().to(record.dtype)
                 targets[name] = converted
                 conversions.append((tensor, converted))
-        stats = read_targets(directory, index, targets)
+        stats = read_targets(directory, view, targets)
         with torch.no_grad():
             for tensor, converted in conversions:
                 tensor.copy_(converted)
@@ -151,7 +137,8 @@ def export_hf(
         if not names:
             raise CheckpointMismatchError(
                 f"{str(directory)!r} holds no tensors under {prefix!r}/ (it has "
-                f"{_names(set(index.tensors))}); pass the state key the model was saved under as prefix="
+                f"{quoted_names(set(index.tensors))}); pass the state key the model was saved under "
+                "as prefix="
             )
         sizes = {
             name: Box((0,) * len(index.tensors[name].shape), index.tensors[name].shape).numel

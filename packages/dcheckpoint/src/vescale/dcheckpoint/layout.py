@@ -147,32 +147,71 @@ class TensorLayout:
             raise CheckpointFormatError(f"{name!r}{problem}")
         return layout
 
-    @functools.lru_cache(maxsize=4096)  # noqa: B019 - layouts are small immutable values, shared by many tensors
-    def _intervals(self, coordinate: tuple[int, ...]) -> tuple[tuple[Interval, ...], ...]:
-        intervals: list[list[Interval]] = [[(0, size)] for size in self.shape]
-        sharded_by_interleaved: set[int] = set()
-        sharded: set[int] = set()
-        for text, mesh_size, index in zip(self.placements, self.mesh_shape, coordinate, strict=True):
+    def _placements_and_dims(self) -> list[tuple[str, Placement | InterleavedShard, int | None]]:
+        """Each mesh dim's placement text, placement and tensor dim (``None`` for Replicate), checked."""
+        parsed = []
+        for text in self.placements:
             try:
                 placement = placement_from_string(text)
             except PlacementError as error:
                 raise CheckpointFormatError(str(error)) from None
             if isinstance(placement, torch.distributed.tensor.Replicate):
+                parsed.append((text, placement, None))
                 continue
             if not isinstance(placement, InterleavedShard | torch.distributed.tensor.Shard):
                 raise CheckpointFormatError(f"placement {text!r} cannot be saved or loaded")
-            dim = placement.dim
-            if not -len(self.shape) <= dim < len(self.shape):
+            if not -len(self.shape) <= placement.dim < len(self.shape):
                 raise CheckpointFormatError(f"placement {text!r} names a dim of shape {self.shape}")
-            dim %= len(self.shape)
-            if dim in sharded_by_interleaved or (isinstance(placement, InterleavedShard) and dim in sharded):
+            parsed.append((text, placement, placement.dim % len(self.shape)))
+        return parsed
+
+    def _application_order(self, parsed: list[tuple[str, object, int | None]]) -> tuple[list[int], set[int]]:
+        """The mesh dims in the order their placements cut the tensor, and the strided ones.
+
+        FSDP2 shards a tensor-parallel parameter over dp *within* each tp shard: ``(dp, tp)``
+        placements ``(_StridedShard(0, sf=tp), Shard(0))``, read here as ``("IS(0,tp)", "S(0)")``.
+        Such an InterleavedShard, followed by exactly one later Shard of the same tensor dim on
+        a mesh dim of its interleaved size, is a plain Shard applied after that later one.
+        """
+        strided_after: dict[int, int] = {}
+        for mesh_dim, (_, placement, dim) in enumerate(parsed):
+            if not isinstance(placement, InterleavedShard):
+                continue
+            later = [other for other in range(mesh_dim + 1, len(parsed)) if parsed[other][2] == dim]
+            if (
+                len(later) == 1
+                and isinstance(parsed[later[0]][1], torch.distributed.tensor.Shard)
+                and self.mesh_shape[later[0]] == placement.interleaved_size
+            ):
+                strided_after[mesh_dim] = later[0]
+        order = []
+        for mesh_dim in range(len(parsed)):
+            if mesh_dim not in strided_after:
+                order.append(mesh_dim)
+                order.extend(strided for strided, after in strided_after.items() if after == mesh_dim)
+        return order, set(strided_after)
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 - layouts are small immutable values, shared by many tensors
+    def _intervals(self, coordinate: tuple[int, ...]) -> tuple[tuple[Interval, ...], ...]:
+        intervals: list[list[Interval]] = [[(0, size)] for size in self.shape]
+        sharded_by_interleaved: set[int] = set()
+        sharded: set[int] = set()
+        parsed = self._placements_and_dims()
+        order, strided = self._application_order(parsed)
+        for mesh_dim in order:
+            _, placement, dim = parsed[mesh_dim]
+            if dim is None:
+                continue
+            mesh_size, index = self.mesh_shape[mesh_dim], coordinate[mesh_dim]
+            interleaved = isinstance(placement, InterleavedShard) and mesh_dim not in strided
+            if dim in sharded_by_interleaved or (interleaved and dim in sharded):
                 raise CheckpointFormatError(
                     f"placements {self.placements} shard tensor dim {dim} twice with an "
                     "InterleavedShard among them, which checkpoints do not support; shard another dim"
                 )
             sharded.add(dim)
             total = sum(length for _, length in intervals[dim])
-            if isinstance(placement, InterleavedShard):
+            if interleaved:
                 sharded_by_interleaved.add(dim)
                 parts = placement.interleaved_size
                 part_length = total // parts

@@ -46,7 +46,9 @@ ROUND_BYTES = 256 << 20
 _ALIGNMENT = 16
 
 
-def _describe(layouts: Mapping[str, TensorLayout], dtypes: Mapping[str, torch.dtype]) -> dict[str, list]:
+def _describe(
+    layouts: Mapping[str, TensorLayout], dtypes: Mapping[str, torch.dtype], plain: frozenset[str]
+) -> dict[str, list]:
     return {
         name: [
             list(lay.shape),
@@ -54,6 +56,7 @@ def _describe(layouts: Mapping[str, TensorLayout], dtypes: Mapping[str, torch.dt
             list(lay.mesh_shape),
             list(lay.mesh_ranks),
             list(lay.placements),
+            name in plain,
         ]
         for name, lay in layouts.items()
     }
@@ -72,6 +75,10 @@ def _agree(description: dict[str, list]) -> dict[str, list[list]]:
     union: dict[str, list[list]] = {}
     for rank, raw in enumerate(all_gather_bytes(encoded)):
         for name, described in json.loads(raw).items():
+            if described[5]:
+                # A plain tensor is held by the ranks that have it, not by every rank (pipeline
+                # stages hold different layers' plain parameters).
+                described = [described[0], described[1], [1], [rank], ["R"], True]
             known = union.setdefault(name, [])
             if known and known[0][:2] != described[:2]:
                 raise CheckpointMismatchError(
@@ -94,9 +101,16 @@ class SharedReads:
 
     @classmethod
     def plan(
-        cls, layouts: Mapping[str, TensorLayout], dtypes: Mapping[str, torch.dtype], rank: int
+        cls,
+        layouts: Mapping[str, TensorLayout],
+        dtypes: Mapping[str, torch.dtype],
+        rank: int,
+        plain: frozenset[str] = frozenset(),
     ) -> SharedReads:
         """Agree with the other ranks on the shared tensors and plan who reads which piece.
+
+        ``plain`` names the tensors that are not DTensors: their layout says every rank holds
+        them, which is only true when every rank loads them.
 
         Example::
 
@@ -105,11 +119,11 @@ class SharedReads:
         """
         if rank_and_world_size()[1] == 1:
             return cls(rank, (), frozenset())
-        agreed = _agree(_describe(layouts, dtypes))
+        agreed = _agree(_describe(layouts, dtypes, plain))
         boxes = []
         for name, descriptions in agreed.items():
             holders: dict[Box, set[int]] = {}
-            for shape, _, mesh_shape, mesh_ranks, placements in descriptions:
+            for shape, _, mesh_shape, mesh_ranks, placements, _ in descriptions:
                 layout = TensorLayout(tuple(shape), tuple(mesh_shape), tuple(mesh_ranks), tuple(placements))
                 for box, ranks in box_holders(layout):
                     holders.setdefault(box, set()).update(ranks)

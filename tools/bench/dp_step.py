@@ -14,7 +14,11 @@ in its own run on the same ``--dp`` gloo ranks, one thread per rank, from the sa
 * ours at ZeRO-1 and 2, and deterministic mode at ZeRO-0 and 2 (vs the default mode).
 
 Step time is fwd + bwd + optimizer step + ``zero_grad``, each step bracketed by barriers:
-the slowest rank's time, median of ``--steps`` steps after one warm-up step.
+the slowest rank's time, median of ``--steps`` steps after one warm-up step. ``--repeats R``
+runs the whole list of variants R times, interleaved (variant A, B, ..., A, B, ...), so that
+load from other processes on the machine hits every variant alike; the table gives the median
+over the repeats and the spread (min-max) of the repeats' step times, and each time ratio is
+the median of the per-repeat ratios with its own min-max.
 
 Memory per rank, as tensor bytes this rank holds (unique storages): parameters (local
 shards; fp32 masters that are views count once), gradients right after backward (``.grad``
@@ -23,7 +27,10 @@ buckets are internal and not counted, its peak below includes them), optimizer s
 the step. Peak resident growth (``PeakResident``) is over the resident size after set-up
 (model, wrappers, optimizer built; no state yet), through the warm-up and timed steps: it
 counts optimizer state, gradients, activations, communication buffers and temporaries. The
-worst rank is reported.
+worst rank is reported. A second table divides each of ours by the single-device size (fp32
+parameters, gradients, AdamW's two moments) and gives the excess over the ZeRO target (1/dp
+of the state from stage 1, of the gradients from stage 2, of the parameters at stage 3) in
+buckets (``--bucket-mb``).
 """
 
 from __future__ import annotations
@@ -156,6 +163,62 @@ def _slowest(results: list[dict]) -> float:
     return statistics.median(per_step)
 
 
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def _print_time_and_memory(measured: dict[str, dict], repeats: int) -> None:
+    print(
+        f"| variant | step time (s), median of {repeats} (min-max) | params (MiB) | grads (MiB) | "
+        "optimizer state (MiB) | peak growth (MiB) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for variant, row in measured.items():
+        print(
+            f"| {variant} | {_spread(row['times'])} | {row['params'] / MiB:.0f} | {row['grads'] / MiB:.0f} | "
+            f"{row['state'] / MiB:.0f} | {row['peak'] / MiB:.0f} |"
+        )
+    pairs = [
+        ("ours ZeRO-0", "torch DDP"),
+        ("ours ZeRO-3", "torch FSDP2"),
+        ("ours ZeRO-0 deterministic", "ours ZeRO-0"),
+        ("ours ZeRO-2 deterministic", "ours ZeRO-2"),
+    ]
+    print(
+        "\n| ours | against | time ratio (goal <= 1.05), median of per-repeat ratios (min-max) | "
+        "peak memory ratio (goal <= 1.0) |"
+    )
+    print("|---|---|---:|---:|")
+    for ours, other in pairs:
+        if ours in measured and other in measured:
+            pairs_of_times = zip(measured[ours]["times"], measured[other]["times"], strict=True)
+            ratios = [mine / theirs for mine, theirs in pairs_of_times]
+            peak_ratio = measured[ours]["peak"] / max(measured[other]["peak"], 1)
+            print(f"| {ours} | {other} | {_spread(ratios)} | {peak_ratio:.3f} |")
+
+
+def _print_zero_targets(measured: dict[str, dict], numel: int, dp: int, bucket_mb: float) -> None:
+    single = {"params": numel * 4, "grads": numel * 4, "state": 2 * numel * 4}
+    print(
+        f"\n| ours | params / single | grads / single | state / single | target (1/dp = {1 / dp:.3f}) | "
+        f"largest excess over target (buckets of {bucket_mb:g} MB) |"
+    )
+    print("|---|---:|---:|---:|---|---:|")
+    for variant, row in measured.items():
+        if not variant.startswith("ours"):
+            continue
+        zero_stage = int(variant.split("ZeRO-")[1][0])
+        sharded = {"state": zero_stage >= 1, "grads": zero_stage >= 2, "params": zero_stage == 3}
+        excess = max(
+            row[key] - single[key] / dp if sharded[key] else row[key] - single[key] for key in single
+        )
+        targets = ", ".join(key for key in single if sharded[key]) or "none"
+        print(
+            f"| {variant} | {row['params'] / single['params']:.3f} | {row['grads'] / single['grads']:.3f} | "
+            f"{row['state'] / single['state']:.3f} | 1/dp: {targets} | {excess / (bucket_mb * 2**20):.2f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -165,6 +228,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--rows", type=int, default=8, help="rows per rank")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of every variant")
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     arguments = parser.parse_args()
@@ -173,50 +237,34 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, gloo, dp={arguments.dp}; "
         f"{numel / 1e6:.1f}M parameters ({numel * 4 / MiB:.0f} MiB fp32), {arguments.rows} rows per rank; "
-        f"median of {arguments.steps} steps after 1 warm-up, slowest rank per step\n"
+        f"median of {arguments.steps} steps after 1 warm-up, slowest rank per step; "
+        f"{arguments.repeats} interleaved repeat(s)\n"
     )
-    measured = {}
-    for variant in arguments.variants:
-        results = run_on_ranks(
-            benchmark_rank,
-            arguments.dp,
-            (
-                variant,
-                arguments.width,
-                arguments.layers,
-                arguments.rows,
-                arguments.steps,
-                arguments.bucket_mb,
-            ),
-            timeout_s=600,
-        )
-        measured[variant] = {
-            "time": _slowest(results),
-            **{key: max(result[key] for result in results) for key in ("params", "grads", "state", "peak")},
-        }
-    shutdown_rank_pool()
-    print(
-        "| variant | step time (s) | params (MiB) | grads (MiB) | optimizer state (MiB) | peak growth (MiB) |"
-    )
-    print("|---|---:|---:|---:|---:|---:|")
-    for variant, row in measured.items():
-        print(
-            f"| {variant} | {row['time']:.3f} | {row['params'] / MiB:.0f} | {row['grads'] / MiB:.0f} | "
-            f"{row['state'] / MiB:.0f} | {row['peak'] / MiB:.0f} |"
-        )
-    pairs = [
-        ("ours ZeRO-0", "torch DDP"),
-        ("ours ZeRO-3", "torch FSDP2"),
-        ("ours ZeRO-0 deterministic", "ours ZeRO-0"),
-        ("ours ZeRO-2 deterministic", "ours ZeRO-2"),
-    ]
-    print("\n| ours | against | time ratio (goal <= 1.05) | peak memory ratio (goal <= 1.0) |")
-    print("|---|---|---:|---:|")
-    for ours, other in pairs:
-        if ours in measured and other in measured:
-            time_ratio = measured[ours]["time"] / measured[other]["time"]
-            peak_ratio = measured[ours]["peak"] / max(measured[other]["peak"], 1)
-            print(f"| {ours} | {other} | {time_ratio:.3f} | {peak_ratio:.3f} |")
+    measured: dict[str, dict] = {}
+    for _ in range(arguments.repeats):
+        for variant in arguments.variants:
+            results = run_on_ranks(
+                benchmark_rank,
+                arguments.dp,
+                (
+                    variant,
+                    arguments.width,
+                    arguments.layers,
+                    arguments.rows,
+                    arguments.steps,
+                    arguments.bucket_mb,
+                ),
+                timeout_s=600,
+            )
+            # Fresh rank processes for every run: the peak is then this variant's alone, and the heap
+            # a 100M-parameter run leaves behind does not pile up across variants.
+            shutdown_rank_pool()
+            row = measured.setdefault(variant, {"times": [], "params": 0, "grads": 0, "state": 0, "peak": 0})
+            row["times"].append(_slowest(results))
+            for key in ("params", "grads", "state", "peak"):
+                row[key] = max(row[key], *(result[key] for result in results))
+    _print_time_and_memory(measured, arguments.repeats)
+    _print_zero_targets(measured, numel, arguments.dp, arguments.bucket_mb)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def test_data_parallel_plan_sharding_flags_follow_the_zero_stage():
         ({"size": 2, "bucket_size_mb": 0}, "bucket_size_mb must be a positive number of MiB, got 0"),
         ({"size": 2, "deterministic": "yes"}, "deterministic must be true or false, got 'yes'"),
         ({"size": 2, "mixed_precision": "fp16"}, r"mixed_precision 'fp16' is unknown; choose one of"),
-        ({"size": 2, "zero_stage": 3, "deterministic": True}, "zero_stage=3 runs on FSDP2"),
+        ({"size": 2, "zero_stage": 3, "bucket_size_mb": 50}, "which has no gradient buckets"),
     ],
 )
 def test_data_parallel_plan_refuses_bad_fields_naming_them(fields, message):
@@ -70,3 +70,7 @@ def test_data_parallel_plan_from_dict_refuses_unknown_and_missing_keys():
         DataParallelPlan.from_dict({"zero_stage": 1})
     with pytest.raises(DataParallelConfigError, match="is a dict like"):
         DataParallelPlan.from_dict([2, 1])
+
+
+def test_data_parallel_plan_takes_deterministic_zero3():
+    assert DataParallelPlan(size=2, zero_stage=3, deterministic=True).shards_parameters

@@ -18,6 +18,7 @@ Example::
 
 from importlib.metadata import version as _distribution_version
 
+from vescale.doptim.checkpoint_view import OptimizerCheckpointView
 from vescale.doptim.clip import clip_grad_norm_
 from vescale.doptim.data_parallel import ZERO_STAGES, data_parallel
 from vescale.doptim.ddp import DDP, data_parallel_of
@@ -38,6 +39,7 @@ __all__ = [
     "DataParallelMeshError",
     "DataParallelPlan",
     "DistributedOptimizer",
+    "OptimizerCheckpointView",
     "OptimizerOrderError",
     "__version__",
     "clip_grad_norm_",

@@ -5,8 +5,13 @@ reduce-scatters). Stage 3 shards the parameters over the dp mesh dim with PyTorc
 ``fully_shard``, one unit per element of every ``nn.ModuleList`` (the transformer blocks of
 a ``transformers`` model) plus the root; parameters that are already DTensors on a dp×tp
 mesh (``vescale.dmodule``) are sharded in place on that mesh (``DataParallelMeshDims``).
-FSDP2 works on CPU/gloo in torch 2.13 (its reduce-scatter included). Then build the
-optimizer and wrap it: ``DistributedOptimizer(optimizer_fn(model))``.
+FSDP2 works on CPU/gloo in torch 2.13 (its reduce-scatter included). ``deterministic=True``
+swaps FSDP2's reduce-scatter for :class:`~vescale.doptim.reduction.RankOrderedReduceScatter`
+(each gradient element summed in rank order, as under stages 0-2). ``compute_dtype=torch.bfloat16``
+(stage 3) is mixed precision: the fp32 parameter shards are the master weights (so the
+optimizer state is fp32 too), FSDP2 all-gathers them cast to bf16 for forward and backward,
+and reduces the gradients in fp32. Then build the optimizer and wrap it:
+``DistributedOptimizer(optimizer_fn(model))``.
 
 Example::
 
@@ -24,11 +29,12 @@ import torch
 import torch.distributed.fsdp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from vescale.doptim.ddp import DATA_PARALLEL_ATTRIBUTE, DDP, data_parallel_of, dp_mesh_dim_index
 from vescale.doptim.errors import DataParallelConfigError, DataParallelMeshError
+from vescale.doptim.reduction import RankOrderedReduceScatter
 
 __all__ = ["ZERO_STAGES", "FullyShardedState", "data_parallel"]
 
@@ -42,6 +48,8 @@ class FullyShardedState:
     module: nn.Module
     device_mesh: DeviceMesh
     mesh_dim: str
+    deterministic: bool = False
+    compute_dtype: torch.dtype | None = None
     zero_stage: int = 3
 
     @property
@@ -90,7 +98,26 @@ def _parameters_mesh_object(model: nn.Module, device_mesh: DeviceMesh) -> Device
     return next(iter(meshes.values()))
 
 
-def _apply_zero3(model: nn.Module, device_mesh: DeviceMesh, mesh_dim: str) -> FullyShardedState:
+def _mixed_precision_policy(model: nn.Module, compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    if compute_dtype is None:
+        return MixedPrecisionPolicy()
+    for fqn, param in model.named_parameters():
+        if param.dtype != torch.float32:
+            raise DataParallelConfigError(
+                f"compute_dtype={compute_dtype} keeps the parameters as fp32 master weights, but {fqn!r} is "
+                f"{param.dtype}; build the model in float32 (do not cast it) and pass compute_dtype"
+            )
+    # Gradients are reduced and kept in fp32, like the fp32 buckets of stages 0-2.
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def _apply_zero3(
+    model: nn.Module,
+    device_mesh: DeviceMesh,
+    mesh_dim: str,
+    deterministic: bool,
+    compute_dtype: torch.dtype | None,
+) -> FullyShardedState:
     on_mesh = any(isinstance(param, DTensor) for param in model.parameters())
     # Public since torch 2.13; torch 2.11 (which veScale supports too) has no FSDP2 entry point
     # for parameters that already live on the whole dp x tp mesh.
@@ -102,12 +129,17 @@ def _apply_zero3(model: nn.Module, device_mesh: DeviceMesh, mesh_dim: str) -> Fu
             f"{torch.__version__}. Upgrade torch, or use zero_stage<=2 with tensor parallelism"
         )
     spmd_mesh = _parameters_mesh_object(model, device_mesh) if on_mesh else device_mesh
+    mp_policy = _mixed_precision_policy(model, compute_dtype)
     for unit in _fully_shard_units(model):
         if on_mesh:
-            fully_shard(unit, mesh=spmd_mesh, dp_mesh_dims=mesh_dims_class(shard=mesh_dim))
+            fully_shard(
+                unit, mesh=spmd_mesh, dp_mesh_dims=mesh_dims_class(shard=mesh_dim), mp_policy=mp_policy
+            )
         else:
-            fully_shard(unit, mesh=device_mesh[mesh_dim])
-    state = FullyShardedState(model, device_mesh, mesh_dim)
+            fully_shard(unit, mesh=device_mesh[mesh_dim], mp_policy=mp_policy)
+        if deterministic:
+            unit.set_custom_reduce_scatter(RankOrderedReduceScatter())
+    state = FullyShardedState(model, device_mesh, mesh_dim, deterministic, compute_dtype)
     setattr(model, DATA_PARALLEL_ATTRIBUTE, state)
     for param in model.parameters():
         setattr(param, DATA_PARALLEL_ATTRIBUTE, state)
@@ -120,12 +152,16 @@ def data_parallel(
     *,
     zero_stage: int = 0,
     mesh_dim: str = "dp",
+    compute_dtype: torch.dtype | None = None,
     **ddp_options: Any,
 ) -> nn.Module:
     """Make ``model`` data parallel over ``device_mesh[mesh_dim]`` at ``zero_stage``, in place; return it.
 
     ``ddp_options`` go to :class:`~vescale.doptim.DDP` (stages 0-2): ``bucket_size_mb``,
-    ``overlap``, ``grad_dtype``, ``deterministic``, ``find_unused_parameters``.
+    ``overlap``, ``grad_dtype``, ``deterministic``, ``find_unused_parameters``; stage 3 takes
+    ``deterministic`` only. ``compute_dtype`` (stage 3) runs forward and backward in that dtype
+    over fp32 master weights; under stages 0-2 cast the model instead (``model.to(torch.bfloat16)``:
+    ``DistributedOptimizer`` keeps fp32 masters of it).
 
     Example::
 
@@ -139,14 +175,19 @@ def data_parallel(
             "the model is data-parallel already; apply data_parallel once per model"
         )
     dp_mesh_dim_index(device_mesh, mesh_dim)
+    if zero_stage < 3 and compute_dtype is not None:
+        raise DataParallelConfigError(
+            f"compute_dtype is for zero_stage=3 (FSDP2's mixed precision), not {zero_stage}; under stages "
+            "0-2 cast the model (model.to(torch.bfloat16)) and DistributedOptimizer keeps fp32 master weights"
+        )
     if zero_stage < 3:
         DDP(model, device_mesh, mesh_dim=mesh_dim, zero_stage=zero_stage, **ddp_options)
         return model
-    if ddp_options.get("deterministic", False) or set(ddp_options) - {"deterministic"}:
+    unsupported = sorted(set(ddp_options) - {"deterministic"})
+    if unsupported:
         raise DataParallelConfigError(
-            f"zero_stage=3 runs on FSDP2, which takes none of {sorted(ddp_options)} (its reduce-scatter "
-            "order is the backend's, so deterministic=True is not available there); drop them or use "
-            "zero_stage<=2"
+            f"zero_stage=3 runs on FSDP2, which has no gradient buckets: it takes none of {unsupported}; "
+            "drop them (deterministic=True is the only option it takes) or use zero_stage<=2"
         )
-    _apply_zero3(model, device_mesh, mesh_dim)
+    _apply_zero3(model, device_mesh, mesh_dim, bool(ddp_options.get("deterministic", False)), compute_dtype)
     return model

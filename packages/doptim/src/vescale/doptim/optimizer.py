@@ -8,7 +8,8 @@ range under stages 1 and 2, so the optimizer state it creates is sharded over dp
 needs an element-wise optimizer (SGD, Adam, AdamW and the like). Under stage 3 the
 optimizer steps FSDP2's sharded parameters as they are. The wrapper is a
 ``torch.optim.Optimizer`` sharing the inner ``param_groups``, so LR schedulers work on it
-unchanged; ``state_dict()`` speaks single-device terms (:mod:`vescale.doptim.state_dict`).
+unchanged; ``state_dict()`` speaks single-device terms (:mod:`vescale.doptim.state_dict`) and
+``checkpoint_view()`` is what a parameter-keyed checkpoint saves (:mod:`vescale.doptim.checkpoint_view`).
 
 Example::
 
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from vescale.doptim.checkpoint_view import OptimizerCheckpointView
 from vescale.doptim.clip import GradPiece, sharded_mesh_dims
 from vescale.doptim.data_parallel import FullyShardedState
 from vescale.doptim.ddp import DDP, data_parallel_of
@@ -166,6 +168,18 @@ class DistributedOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by :meth:`state_dict` under any dp size or ZeRO stage."""
         load_optimizer_state(self, state_dict)
+
+    def checkpoint_view(self) -> OptimizerCheckpointView:
+        """This optimizer keyed by the model's parameters, its state as dp-sharded DTensors: what a
+        checkpoint library keying state by parameter (``vescale.dcheckpoint``) saves and loads into.
+        Collective; build a new one for every save and load.
+
+        Example::
+
+            dcheckpoint.save("ckpt/step-10", {"model": model, "optimizer": optimizer.checkpoint_view()})
+            dcheckpoint.load("ckpt", {"model": model, "optimizer": optimizer.checkpoint_view()})
+        """
+        return OptimizerCheckpointView(self)
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer(zero_stage={self.zero_stage}, {self.optimizer!r})"

@@ -30,8 +30,8 @@ class DataParallelPlan:
     """The ``dp`` mesh dimension's size and how the optimizer state and gradients are kept on it.
 
     ``zero_stage`` shards the optimizer state (1), plus the gradients (2), plus the parameters
-    (3, FSDP2). ``bucket_size_mb`` and ``deterministic`` configure the gradient averaging of
-    stages 0-2 (stage 3 has neither knob, so it takes only their defaults).
+    (3, FSDP2). ``bucket_size_mb`` sizes the gradient buckets of stages 0-2 (stage 3 has none,
+    so it takes only the default); ``deterministic`` works in every stage.
 
     Example::
 
@@ -70,10 +70,10 @@ class DataParallelPlan:
                 f"DataParallelPlan.mixed_precision {self.mixed_precision!r} is unknown; choose one of "
                 f"{MIXED_PRECISIONS}"
             )
-        if self.zero_stage == 3 and (self.deterministic or self.bucket_size_mb != 25.0):
+        if self.zero_stage == 3 and self.bucket_size_mb != 25.0:
             raise DataParallelConfigError(
-                "DataParallelPlan.zero_stage=3 runs on FSDP2, which has no gradient buckets and no "
-                "deterministic reduction; drop bucket_size_mb/deterministic or use zero_stage<=2"
+                "DataParallelPlan.zero_stage=3 runs on FSDP2, which has no gradient buckets; "
+                "drop bucket_size_mb or use zero_stage<=2"
             )
 
     @property

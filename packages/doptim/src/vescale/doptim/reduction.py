@@ -11,6 +11,9 @@ only this rank's chunk of it (``"reduce_scatter"``, ZeRO-2). Two orders:
   micro-batch gradients in rank order would compute it; for ``"all_reduce"`` the chunks are
   then all-gathered. It moves the bytes of a ring all-reduce (reduce-scatter + all-gather).
 
+:class:`RankOrderedReduceScatter` is the same deterministic reduce-scatter for FSDP2
+(ZeRO-3's ``set_custom_reduce_scatter``).
+
 Example::
 
     reduction = start_reduction(bucket, group, result="all_reduce", deterministic=True)
@@ -31,7 +34,9 @@ from vescale.doptim.buckets import Bucket
 __all__ = [
     "REDUCTION_RESULTS",
     "BucketReduction",
+    "RankOrderedReduceScatter",
     "all_gather_flat",
+    "rank_ordered_average",
     "reduce_scatter_flat",
     "start_reduction",
 ]
@@ -41,6 +46,49 @@ REDUCTION_RESULTS = ("all_reduce", "reduce_scatter")
 # torch 2.13 renamed the flat collectives and deprecated the old names (2.11 has only those).
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def rank_ordered_average(received: torch.Tensor, dp_size: int, *, average: bool = True) -> torch.Tensor:
+    """``(((c_0 + c_1) + c_2) + ...) / dp_size`` of the ``dp_size`` equal copies in ``received``, in place
+    into ``c_0`` (the sum starts from ``c_0`` exactly, as the single-device reference's does)."""
+    copies = received.view(dp_size, -1)
+    total = copies[0]
+    for rank in range(1, dp_size):
+        total.add_(copies[rank])
+    return total.div_(dp_size) if average else total
+
+
+class RankOrderedReduceScatter:
+    """FSDP2's reduce-scatter, rank-ordered: an ``all_to_all`` then :func:`rank_ordered_average`.
+
+    Plugged in with ``FSDPModule.set_custom_reduce_scatter`` (duck-typed: FSDP2 calls
+    ``allocate`` and the object itself). FSDP2 asks for ``ReduceOp.AVG`` for fp32 and bf16
+    gradients (it then divides no more) and ``SUM`` when it divides itself.
+
+    Example::
+
+        for unit in fsdp_units:
+            unit.set_custom_reduce_scatter(RankOrderedReduceScatter())
+    """
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A fresh communication buffer (FSDP2 frees it when the reduction is done)."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any,
+        op: Any,
+        async_op: bool = False,
+    ) -> None:
+        if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+            raise ValueError(f"the rank-ordered reduce-scatter averages or sums, FSDP2 asked for {op}")
+        received = torch.empty_like(input_tensor)
+        dist.all_to_all_single(received, input_tensor, group=group)
+        dp_size = dist.get_world_size(group)
+        output_tensor.copy_(rank_ordered_average(received, dp_size, average=op == dist.ReduceOp.AVG))
 
 
 @dataclass
@@ -74,12 +122,7 @@ class BucketReduction:
             averaged = self.bucket.grad_buffer if self.result == "all_reduce" else self.grad_chunk
             averaged.div_(dp_size)
             return
-        copies = self.received.view(dp_size, -1)
-        # In place into rank 0's copy: the sum starts from g_0 exactly, as the reference's does.
-        total = copies[0]
-        for rank in range(1, dp_size):
-            total.add_(copies[rank])
-        total.div_(dp_size)
+        total = rank_ordered_average(self.received, dp_size)
         self.received = None
         if self.result == "reduce_scatter":
             self.grad_chunk.copy_(total)

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,15 +24,20 @@ from vescale.doptim.buckets import local_tensor
 from vescale.doptim.ddp import DDP
 from vescale.doptim.errors import DataParallelConfigError
 from vescale.doptim.reduction import all_gather_flat
+from vescale.doptim.zero import ParamShard
 
 if TYPE_CHECKING:
     from vescale.doptim.optimizer import DistributedOptimizer
 
-__all__ = ["load_optimizer_state", "optimizer_state"]
+__all__ = ["load_optimizer_state", "local_states", "master_part", "optimizer_state"]
 
 
 def _is_elementwise(value: Any, master: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape == master.shape
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if torch.is_tensor(value) else value
 
 
 def _masters_by_fqn(optimizer: DistributedOptimizer) -> dict[str, torch.Tensor]:
@@ -49,9 +55,20 @@ def _to_global(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     ).full_tensor()
 
 
-def _gathered_ddp_state(optimizer: DistributedOptimizer) -> dict[str, dict[str, Any]]:
+def local_states(optimizer: DistributedOptimizer) -> Iterator[tuple[ParamShard, str, Any, bool]]:
+    """Every ``(shard, state name, value, elementwise)`` of a stage 0-2 optimizer, bucket by bucket, in
+    the same order on every rank (collective under stages 1-2: one all-gather per bucket and name).
+
+    An element-wise state tensor (``elementwise=True``) comes whole: shaped like the parameter's
+    local tensor, a view into its bucket's gathered state; other values (Adam's ``step``) as this
+    rank holds them.
+
+    Example::
+
+        for shard, name, value, elementwise in local_states(optimizer):
+            print(shard.fqn, name, elementwise)
+    """
     ddp: DDP = optimizer.owner
-    state: dict[str, dict[str, Any]] = {}
     for bucket in ddp.buckets:
         shards = [optimizer.shards[id(slot.param)] for slot in bucket.slots]
         names = sorted({name for shard in shards for name in optimizer.state.get(shard.master, {})})
@@ -63,9 +80,7 @@ def _gathered_ddp_state(optimizer: DistributedOptimizer) -> dict[str, dict[str, 
             ):
                 for shard, value in zip(shards, values, strict=True):
                     if value is not None:
-                        state.setdefault(shard.fqn, {})[name] = (
-                            value.clone() if torch.is_tensor(value) else value
-                        )
+                        yield shard, name, value, False
                 continue
             dtype = next(v.dtype for v, s in zip(values, shards, strict=True) if _is_elementwise(v, s.master))
             if ddp.zero_stage == 0:
@@ -81,7 +96,16 @@ def _gathered_ddp_state(optimizer: DistributedOptimizer) -> dict[str, dict[str, 
                 all_gather_flat(flat_state, chunk, group=ddp.dp_group)
             for shard in shards:
                 local = flat_state[shard.slot.offset : shard.slot.offset + shard.slot.numel]
-                state.setdefault(shard.fqn, {})[name] = _to_global(shard.param, local)
+                yield shard, name, local.view(shard.slot.local_shape), True
+
+
+def _gathered_ddp_state(optimizer: DistributedOptimizer) -> dict[str, dict[str, Any]]:
+    state: dict[str, dict[str, Any]] = {}
+    for shard, name, value, elementwise in local_states(optimizer):
+        if elementwise:
+            state.setdefault(shard.fqn, {})[name] = _to_global(shard.param, value)
+        else:
+            state.setdefault(shard.fqn, {})[name] = value.clone() if torch.is_tensor(value) else value
     return state
 
 
@@ -98,7 +122,8 @@ def optimizer_state(optimizer: DistributedOptimizer) -> dict[str, Any]:
     else:
         state = {
             fqn_of[id(param)]: {
-                name: value.full_tensor() if isinstance(value, DTensor) else value
+                # Copies, as under stages 0-2: the state dict must not change when the optimizer steps.
+                name: value.full_tensor() if isinstance(value, DTensor) else _copy(value)
                 for name, value in optimizer.state.get(param, {}).items()
             }
             for group in optimizer.param_groups
@@ -120,16 +145,29 @@ def _local_part(
     if not isinstance(optimizer.owner, DDP):
         return distribute_tensor(value, master.device_mesh, master.placements, src_data_rank=None)
     shard = next(shard for shard in optimizer.shards.values() if shard.master is master)
+    return master_part(shard, fqn, value)
+
+
+def master_part(shard: ParamShard, fqn: str, value: torch.Tensor) -> torch.Tensor:
+    """This rank's range (``shard.master``'s elements) of a state tensor shaped like the parameter:
+    a global tensor, or a DTensor laid out like the parameter.
+
+    Example::
+
+        optimizer.state[shard.master]["exp_avg"] = master_part(shard, "fc.weight", global_exp_avg)
+    """
     param = shard.param
     local = value
-    if isinstance(param, DTensor):
+    if isinstance(value, DTensor):
+        local = value.redistribute(param.device_mesh, param.placements).to_local()
+    elif isinstance(param, DTensor):
         local = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
     if local.numel() != local_tensor(param).numel():
         raise DataParallelConfigError(
             f"optimizer state of {fqn!r} has shape {tuple(value.shape)}; "
             f"the parameter's is {tuple(param.shape)}"
         )
-    return local.reshape(-1)[shard.start : shard.end].to(master.dtype).clone()
+    return local.reshape(-1)[shard.start : shard.end].to(shard.master.dtype).clone()
 
 
 def load_optimizer_state(optimizer: DistributedOptimizer, state_dict: dict[str, Any]) -> None:

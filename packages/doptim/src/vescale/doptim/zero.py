@@ -15,7 +15,9 @@ Example::
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +26,7 @@ from vescale.doptim.buckets import Bucket, ParamSlot, local_tensor
 from vescale.doptim.ddp import DDP
 from vescale.doptim.reduction import all_gather_flat
 
-__all__ = ["ParamShard", "build_param_shards", "load_grads", "publish_params"]
+__all__ = ["MAX_GATHERS_IN_FLIGHT", "ParamShard", "build_param_shards", "load_grads", "publish_params"]
 
 
 @dataclass
@@ -86,28 +88,43 @@ def load_grads(ddp: DDP, shards: dict[int, ParamShard]) -> None:
         shard.master.grad = source if source.dtype == shard.master.dtype else source.to(shard.master.dtype)
 
 
+# Parameter all-gathers in flight at once: each holds a full-size bucket, so two keep one
+# collective running while the previous bucket is copied out, and the temporary memory of
+# publishing is two buckets whatever the model size.
+MAX_GATHERS_IN_FLIGHT = 2
+
+
+def _start_gather(ddp: DDP, bucket: Bucket, shards: dict[int, ParamShard]) -> tuple[torch.Tensor, Any]:
+    dtype = bucket.slots[0].param.dtype
+    chunk_start = bucket.chunk_range(ddp.dp_rank)[0]
+    chunk = torch.zeros(bucket.chunk_numel, dtype=dtype, device=bucket.device)
+    for slot in bucket.slots:
+        shard = shards[id(slot.param)]
+        begin = slot.offset + shard.start - chunk_start
+        chunk[begin : begin + shard.end - shard.start].copy_(shard.master)
+    gathered = torch.empty(bucket.padded_numel, dtype=dtype, device=chunk.device)
+    return gathered, all_gather_flat(gathered, chunk, group=ddp.dp_group, async_op=True)
+
+
+def _finish_gather(bucket: Bucket, gathered: torch.Tensor, work: Any) -> None:
+    work.wait()
+    for slot in bucket.slots:
+        local_tensor(slot.param).view(-1).copy_(gathered[slot.offset : slot.offset + slot.numel])
+
+
 @torch.no_grad()
 def publish_params(ddp: DDP, shards: dict[int, ParamShard]) -> None:
-    """Write the stepped masters into the parameters: copies where needed, all-gathers under stages 1-2."""
+    """Write the stepped masters into the parameters: copies where needed, all-gathers under stages 1-2
+    (bucket by bucket, at most ``MAX_GATHERS_IN_FLIGHT`` full buckets allocated at once)."""
     if ddp.zero_stage == 0:
         for shard in shards.values():
             if not shard.master_is_view:
                 local_tensor(shard.param).view(-1).copy_(shard.master)
         return
-    pending = []
+    pending: deque[tuple[Bucket, torch.Tensor, Any]] = deque()
     for bucket in ddp.buckets:
-        dtype = bucket.slots[0].param.dtype
-        chunk_start = bucket.chunk_range(ddp.dp_rank)[0]
-        chunk = torch.zeros(bucket.chunk_numel, dtype=dtype, device=bucket.device)
-        for slot in bucket.slots:
-            shard = shards[id(slot.param)]
-            begin = slot.offset + shard.start - chunk_start
-            chunk[begin : begin + shard.end - shard.start].copy_(shard.master)
-        gathered = torch.empty(bucket.padded_numel, dtype=dtype, device=chunk.device)
-        pending.append(
-            (bucket, gathered, all_gather_flat(gathered, chunk, group=ddp.dp_group, async_op=True))
-        )
-    for bucket, gathered, work in pending:
-        work.wait()
-        for slot in bucket.slots:
-            local_tensor(slot.param).view(-1).copy_(gathered[slot.offset : slot.offset + slot.numel])
+        pending.append((bucket, *_start_gather(ddp, bucket, shards)))
+        if len(pending) >= MAX_GATHERS_IN_FLIGHT:
+            _finish_gather(*pending.popleft())
+    while pending:
+        _finish_gather(*pending.popleft())

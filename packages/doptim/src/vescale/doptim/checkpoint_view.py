@@ -1,0 +1,162 @@
+"""A DistributedOptimizer seen as a plain optimizer over the model's parameters, for checkpoints.
+
+Stages 0-2 step per-rank ranges of flat buckets (the masters), which no parameter FQN names
+and no DTensor layout describes, so a checkpoint library that keys optimizer state by the
+model's parameters (``vescale.dcheckpoint``, like ``torch.distributed.checkpoint``) cannot
+read them as they are. :class:`OptimizerCheckpointView` is a ``torch.optim.Optimizer`` whose
+``param_groups`` hold the model's parameters and whose ``state`` maps each parameter to its
+state as a DTensor on the model's mesh: laid out like the parameter on every other mesh dim
+and ``Shard(dim)`` over dp on a tensor dim no other mesh dim shards (``Replicate`` over dp when
+every dim is taken), so each rank holds 1/dp of the state and the checkpoint reshards it into
+any dp size and ZeRO stage. Building the view gathers the state one bucket at a time
+(collective; one bucket of scratch memory).
+
+Writing into the view loads: ``view.state[param] = {...}`` (tensors laid out like the parameter,
+or global) stores this rank's range into the optimizer's state, and ``group.update(...)`` on a
+view group updates the optimizer's group. Under ZeRO-3 the optimizer keys its state by the
+model's (FSDP2) parameters already, and the view is that optimizer's own groups and state.
+
+Example::
+
+    dcheckpoint.save("ckpt/step-10", {"model": model, "optimizer": optimizer.checkpoint_view()})
+    dcheckpoint.load("ckpt", {"model": model, "optimizer": optimizer.checkpoint_view()})
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.optim import Optimizer
+
+from vescale.doptim.ddp import DDP
+from vescale.doptim.state_dict import local_states, master_part
+from vescale.doptim.zero import ParamShard
+
+if TYPE_CHECKING:
+    from vescale.doptim.optimizer import DistributedOptimizer
+
+__all__ = ["OptimizerCheckpointView", "dp_shard_placements"]
+
+
+def dp_shard_placements(param: torch.Tensor, ddp: DDP) -> tuple[Any, ...]:
+    """The parameter's placements with the dp mesh dim sharding the first tensor dim no other mesh dim
+    shards (``Replicate`` over dp when there is none).
+
+    Example::
+
+        dp_shard_placements(tp_column_weight, ddp)   # (Shard(1), Shard(0)) on a (dp, tp) mesh
+    """
+    dp_index = ddp.device_mesh.mesh_dim_names.index(ddp.mesh_dim)
+    if isinstance(param, DTensor):
+        placements = list(param.placements)
+    else:
+        placements = [Replicate()] * ddp.device_mesh.ndim
+    taken = {placement.dim for placement in placements if hasattr(placement, "dim")}
+    free = [dim for dim in range(param.dim()) if dim not in taken]
+    placements[dp_index] = Shard(free[0]) if free else Replicate()
+    return tuple(placements)
+
+
+def _dp_sharded(shard: ParamShard, ddp: DDP, local: torch.Tensor) -> DTensor:
+    """This rank's dp piece of ``local`` (the whole state of the parameter's local tensor), as a DTensor."""
+    param = shard.param
+    placements = dp_shard_placements(param, ddp)
+    dp_index = ddp.device_mesh.mesh_dim_names.index(ddp.mesh_dim)
+    piece = local
+    dp_placement = placements[dp_index]
+    if isinstance(dp_placement, Shard):
+        # torch.chunk's split, as DTensor's Shard: ceil-sized pieces, the last ones short or empty.
+        chunks = list(local.chunk(ddp.dp_size, dim=dp_placement.dim))
+        chunks += [local.narrow(dp_placement.dim, 0, 0)] * (ddp.dp_size - len(chunks))
+        piece = chunks[ddp.dp_rank]
+    global_shape = param.shape
+    return DTensor.from_local(
+        piece.clone(),
+        ddp.device_mesh,
+        placements,
+        run_check=False,
+        shape=global_shape,
+        stride=torch.empty(global_shape, device="meta").stride(),
+    )
+
+
+class _GroupView(dict):
+    """A parameter group over the model's parameters whose updates reach the optimizer's group."""
+
+    def __init__(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        super().__init__({**group, "params": params})
+        self.group = group
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        if key != "params":
+            self.group[key] = value
+
+    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+
+class _StateView(dict):
+    """``{model parameter: state}``; assigning a parameter's state stores this rank's range of it."""
+
+    def __init__(self, optimizer: DistributedOptimizer) -> None:
+        super().__init__()
+        self.optimizer = optimizer
+
+    def __setitem__(self, param: torch.Tensor, param_state: dict[str, Any]) -> None:
+        super().__setitem__(param, param_state)
+        shard = self.optimizer.shards[id(param)]
+        self.optimizer.state[shard.master] = {
+            name: master_part(shard, shard.fqn, value)
+            if isinstance(value, torch.Tensor) and value.dim() >= 1
+            else (value.clone() if torch.is_tensor(value) else value)
+            for name, value in param_state.items()
+        }
+
+
+class OptimizerCheckpointView(Optimizer):
+    """``optimizer`` keyed by the model's parameters, its state dp-sharded DTensors (see the module).
+
+    Build it on every rank (collective), right before saving or loading; it is a snapshot of
+    the state when built, and loading into it writes through to ``optimizer``.
+
+    Example::
+
+        view = OptimizerCheckpointView(optimizer)
+        view.state[model.fc.weight]["exp_avg"]     # a DTensor of fc.weight's global shape
+    """
+
+    def __init__(self, optimizer: DistributedOptimizer) -> None:
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        if not isinstance(optimizer.owner, DDP):
+            self.param_groups = optimizer.param_groups
+            self.state = optimizer.state
+            return
+        ddp: DDP = optimizer.owner
+        param_of = {id(shard.master): shard.param for shard in optimizer.shards.values()}
+        self.param_groups = [
+            _GroupView(group, [param_of[id(master)] for master in group["params"]])
+            for group in optimizer.param_groups
+        ]
+        state = _StateView(optimizer)
+        snapshot: dict[torch.Tensor, dict[str, Any]] = {}
+        for shard, name, value, elementwise in local_states(optimizer):
+            if elementwise:
+                value = _dp_sharded(shard, ddp, value)
+            elif torch.is_tensor(value):
+                value = value.clone()
+            snapshot.setdefault(shard.param, {})[name] = value
+        for param, param_state in snapshot.items():
+            dict.__setitem__(state, param, param_state)
+        self.state = state
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Not a training optimizer: step the DistributedOptimizer it views."""
+        raise TypeError("an OptimizerCheckpointView is for saving and loading; step the DistributedOptimizer")
+
+    def __repr__(self) -> str:
+        return f"OptimizerCheckpointView({self.optimizer!r})"

@@ -25,11 +25,13 @@ say "building the wheels of every package"
 
 # One environment with torch and the test tools only, shared (through a .pth line) by the
 # per-component environments so that torch is installed once.
-if [[ ! -x "$work/base/bin/python" ]]; then
+# The meta-package's own third-party dependencies (the CLI's typer and rich) are in it too, since
+# the per-component installs below see only the local wheels.
+if [[ ! -x "$work/base/bin/python" ]] || ! "$work/base/bin/python" -c "import typer, rich" 2>/dev/null; then
     say "creating the base environment (torch and the test tools, no veScale package)"
-    "$python_bin" -m venv "$work/base"
+    [[ -x "$work/base/bin/python" ]] || "$python_bin" -m venv "$work/base"
     "$work/base/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0 \
-        pytest==9.2.0 pytest-xdist==3.8.0 pytest-timeout==2.4.0 transformers==5.23.0
+        pytest==9.2.0 pytest-xdist==3.8.0 pytest-timeout==2.4.0 transformers==5.23.0 "typer>=0.12" "rich>=13"
 fi
 base_site="$(site_packages "$work/base")"
 

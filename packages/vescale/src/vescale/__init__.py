@@ -28,14 +28,28 @@ __version__ = _distribution_version("vescale")
 
 COMPONENTS = ("dtensor", "dmodule", "doptim", "dcheckpoint", "dpipe", "planner")
 
-# Public name -> module that defines it. The unified API (deferred_init, generate_plan,
-# parallelize, save, load) joins this table as its components land (issue #8).
-_LAZY_ATTRIBUTES: dict[str, str] = {}
+# Public name -> module that defines it: the unified API (issue #8).
+_LAZY_ATTRIBUTES: dict[str, str] = {
+    "deferred_init": "vescale.api.deferred",
+    "manual_seed": "vescale.api.seed",
+    "parallelize": "vescale.api.parallelize",
+    "DistributedDataLoader": "vescale.api.data_loader",
+    "save": "vescale.api.checkpointing",
+    "load": "vescale.api.checkpointing",
+    "Plan": "vescale.planner",
+    "generate_plan": "vescale.planner",
+}
 
 __all__ = ["COMPONENTS", "__version__", *COMPONENTS, *_LAZY_ATTRIBUTES]
 
 if TYPE_CHECKING:
     from vescale import dcheckpoint, dmodule, doptim, dpipe, dtensor, planner  # noqa: F401
+    from vescale.api.checkpointing import load, save  # noqa: F401
+    from vescale.api.data_loader import DistributedDataLoader  # noqa: F401
+    from vescale.api.deferred import deferred_init  # noqa: F401
+    from vescale.api.parallelize import parallelize  # noqa: F401
+    from vescale.api.seed import manual_seed  # noqa: F401
+    from vescale.planner import Plan, generate_plan  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,265 @@
+"""The model ``vescale.parallelize`` returns: one call trains on the rank's share of the global batch.
+
+``ParallelizedModel(**batch)`` returns the wrapped model's own output type whose ``loss`` is
+the loss of the whole global batch on every rank, as one device would print it:
+
+* each piece (this dp rank's slice, or one of its micro-batches) is weighted by its number of
+  loss terms over the global number (:mod:`._token_weights`), so labels padded with ``-100``
+  give the gradients of one device (the dp gradient average divides by ``dp`` again, which the
+  weight undoes);
+* with micro-batches, the call runs forward and backward of each one (the dp gradient
+  reduction paused until the last) and the returned loss's ``backward()`` is a no-op;
+* a pipeline (dpipe) runs its own micro-batches and averages their losses unweighted, so there
+  unequal term counts are an error rather than a silent difference.
+
+Example::
+
+    wrapped = ParallelizedModel(model, mesh, num_microbatches=2, pipelined=False, user_model=model)
+    out = wrapped(input_ids=ids, labels=labels)
+    out.loss.backward()         # no-op here: both micro-batches already ran backward
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from vescale.api._token_weights import loss_term_rule
+from vescale.api.errors import UnsupportedPlanError
+from vescale.doptim import data_parallel_of
+
+__all__ = ["ParallelizedModel"]
+
+
+class _BackwardAlreadyRan(torch.autograd.Function):
+    """The whole-batch loss as a leaf of nothing: its backward stops, the call already ran backward."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[None, None]:
+        return None, None
+
+
+def _split(batch: Mapping[str, Any], pieces: int) -> list[dict[str, Any]]:
+    rows = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+    if rows is None or rows % pieces:
+        raise UnsupportedPlanError(
+            f"the batch has {rows} rows, which do not split into plan.num_microbatches={pieces} "
+            "micro-batches; give each rank global_batch_size / dp rows (DistributedDataLoader does)"
+        )
+    size = rows // pieces
+    return [
+        {
+            key: value[index * size : (index + 1) * size]
+            if isinstance(value, torch.Tensor) and value.dim() > 0
+            else value
+            for key, value in batch.items()
+        }
+        for index in range(pieces)
+    ]
+
+
+def _concatenated(outputs: list[Any], loss: torch.Tensor) -> Any:
+    """The last micro-batch's output object, its batch-shaped tensors concatenated, with ``loss``."""
+    result = outputs[-1]
+    if isinstance(result, torch.Tensor):
+        return loss
+    for key in list(result.keys()):
+        values = [output[key] for output in outputs]
+        if all(isinstance(value, torch.Tensor) and value.dim() > 0 for value in values):
+            result[key] = torch.cat([value.detach() for value in values])
+    return _with_loss(result, loss)
+
+
+class ParallelizedModel(nn.Module):
+    """The user's parallelized model (:attr:`module`), called on one rank's share of the global batch.
+
+    Attributes the wrapper lacks (``config``, ``generate``...) are the wrapped model's;
+    ``state_dict`` keys are the wrapped model's own (no ``module.`` prefix).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        *,
+        num_microbatches: int,
+        pipelined: bool,
+        user_model: nn.Module,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        # What a call runs: the module, or its torch.compile'd form (kept out of the module tree so
+        # that parameters and state_dict keys stay the module's).
+        self.__dict__["_call_module"] = module
+        self.mesh = mesh
+        self.num_microbatches = num_microbatches
+        self.pipelined = pipelined
+        # The user's own model names its loss function (a pipeline wrapper does not).
+        self._count_terms = loss_term_rule(user_model)
+        dims = mesh.mesh_dim_names or ()
+        self._dp_size = mesh.size(dims.index("dp")) if "dp" in dims else 1
+        self._dp_group = mesh.get_group("dp") if self._dp_size > 1 else None
+
+    def compile_module(self) -> None:
+        """Run the wrapped module under ``torch.compile`` from the next call on."""
+        self.__dict__["_call_module"] = torch.compile(self.module)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("module"), name)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _all_reduce(self, values: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        if self._dp_group is not None:
+            dist.all_reduce(values, op=op, group=self._dp_group)
+        return values
+
+    def forward(self, *args: Any, **batch: Any) -> Any:
+        if args:
+            if len(args) != 1 or not isinstance(args[0], Mapping) or batch:
+                raise TypeError(
+                    "call the parallelized model as model(**batch) or model(batch) with a dict batch"
+                )
+            batch = dict(args[0])
+        micro_batches = _split(batch, self.num_microbatches) if self.num_microbatches > 1 else [batch]
+        counts = [self._count_terms(micro_batch) for micro_batch in micro_batches]
+        if self.pipelined:
+            return self._pipelined_forward(batch, counts)
+        terms = [count for count, _ in counts]
+        local = torch.tensor([float(sum(terms)), float(any(unweighted for _, unweighted in counts))])
+        total_terms, unweighted = self._all_reduce(local.to(torch.float64)).tolist()
+        if unweighted and (self._dp_size > 1 or len(micro_batches) > 1):
+            raise UnsupportedPlanError(
+                f"labels padded with -100, but {type(self.module).__name__}'s loss is not one whose terms "
+                "vescale can count (transformers' ForCausalLMLoss, ForMaskedLMLoss, ForTokenClassification): "
+                "the pieces of the global batch cannot be weighted, so gradients would differ from one "
+                "device; use unpadded labels, or dp=1 and micro_batch_size = global_batch_size"
+            )
+        if len(micro_batches) == 1:
+            return self._forward_one(batch, terms[0], total_terms)
+        return self._forward_micro_batches(micro_batches, terms, total_terms)
+
+    def _global_loss(self, weighted_local: torch.Tensor) -> torch.Tensor:
+        """The sum over dp ranks of each rank's weighted loss (already divided by the global term count)."""
+        value = _plain(weighted_local.detach()).to(torch.float64).reshape(1).clone()
+        return self._all_reduce(value)[0].to(weighted_local.dtype)
+
+    def _forward_one(self, batch: dict[str, Any], terms: int, total_terms: float) -> Any:
+        output = self._call_module(**batch)
+        loss = _loss_of(output)
+        if loss is None:
+            return output
+        weighted = _plain(loss) * (terms / total_terms)
+        global_loss = self._global_loss(weighted)
+        # The value is the global loss; the gradient is this rank's weighted share times dp (the
+        # dp average divides by dp again), so backward() gives single-device gradients.
+        scaled = weighted * self._dp_size
+        return _with_loss(output, scaled + (global_loss - scaled).detach())
+
+    def _forward_micro_batches(
+        self, micro_batches: list[dict[str, Any]], counts: list[int], total: float
+    ) -> Any:
+        outputs, weighted_sum = [], None
+        training = torch.is_grad_enabled()
+        for index, (micro_batch, terms) in enumerate(zip(micro_batches, counts, strict=True)):
+            last = index == len(micro_batches) - 1
+            with contextlib.nullcontext() if last or not training else _gradient_sync_paused(self.module):
+                output = self._call_module(**micro_batch)
+                weighted = _required_loss(output) * (terms / total)
+                if training:
+                    (weighted * self._dp_size).backward()
+            outputs.append(output)
+            weighted = weighted.detach()
+            weighted_sum = weighted if weighted_sum is None else weighted_sum + weighted
+        global_loss = self._global_loss(weighted_sum)
+        if training:
+            anchor = torch.zeros((), requires_grad=True)
+            global_loss = _BackwardAlreadyRan.apply(anchor, global_loss)
+        return _concatenated(outputs, global_loss)
+
+    def _pipelined_forward(self, batch: dict[str, Any], counts: list[tuple[int, bool]]) -> Any:
+        # dpipe averages its micro-batch losses unweighted: equal to one device only for equal term
+        # counts in every micro-batch of every dp rank (the all-reduced max of count and -count).
+        terms = [count for count, _ in counts]
+        local = torch.tensor([max(terms), -min(terms)], dtype=torch.float64)
+        self._all_reduce(local, op=dist.ReduceOp.MAX)
+        if local[0] != -local[1]:
+            raise UnsupportedPlanError(
+                f"labels padded with -100 give the pipeline's micro-batches {int(-local[1])} to "
+                f"{int(local[0])} loss terms: dpipe averages micro-batch losses unweighted, so the gradients "
+                "would differ from one device; pad every micro-batch alike or use a plan without "
+                "pipeline_parallel"
+            )
+        output = self._call_module(**batch)
+        loss = _required_loss(output)
+        return _with_loss(output, _BackwardAlreadyRan.apply(loss, self._global_loss(loss / self._dp_size)))
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` as the plain tensor one device would hold (differentiably, for a DTensor loss)."""
+    if not isinstance(loss, DTensor):
+        return loss
+    replicate = [Replicate()] * loss.device_mesh.ndim
+    return loss.redistribute(loss.device_mesh, replicate).to_local()
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output if output.dim() == 0 else None
+    return getattr(output, "loss", None)
+
+
+def _required_loss(output: Any) -> torch.Tensor:
+    loss = _loss_of(output)
+    if loss is None:
+        raise UnsupportedPlanError(
+            f"the model returned {type(output).__name__} without a loss, but micro-batching runs backward "
+            "inside the call; pass labels in the batch (or return a scalar loss)"
+        )
+    return loss
+
+
+def _with_loss(output: Any, loss: torch.Tensor) -> Any:
+    if isinstance(output, torch.Tensor):
+        return loss
+    output["loss"] = loss
+    return output
+
+
+@contextlib.contextmanager
+def _gradient_sync_paused(module: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally (no dp reduction) for the backward passes run inside."""
+    owner = data_parallel_of(module)
+    if owner is None:
+        yield
+        return
+    if hasattr(owner, "no_sync"):
+        with owner.no_sync():
+            yield
+        return
+    # ZeRO-3: FSDP2's own switch on the root module (set by fully_shard).
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)

@@ -1,0 +1,85 @@
+"""How many loss terms each micro-batch holds, so that losses and gradients weigh every token once.
+
+A model's loss is the mean over the loss terms of its own input. When the global batch is cut
+into dp slices and micro-batches, the mean of the pieces' means is the global mean only when
+every piece holds as many terms; labels padded with ``-100`` break that. Each piece's loss is
+therefore weighted by its term count over the global count (what ``vescale.parallelize`` does
+without a pipeline), or, where the pieces cannot be weighted (dpipe's schedule averages the
+micro-batch losses itself), unequal counts are an error.
+
+Example::
+
+    rule = loss_term_rule(model)
+    counts = [rule(micro_batch) for micro_batch in micro_batches]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["IGNORE_INDEX", "LossTermRule", "loss_term_rule"]
+
+IGNORE_INDEX = -100
+"""The label value that ``torch.nn.functional.cross_entropy`` (and ``transformers``) skip."""
+
+LossTermRule = Callable[[Mapping[str, Any]], tuple[int, bool]]
+"""``rule(batch) -> (number of loss terms, whether that count cannot weight the batch's loss)``.
+
+The second item is true for padded labels under a loss the rule does not know (it counts rows)."""
+
+
+def _rows(batch: Mapping[str, Any]) -> int:
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0]
+    return 1
+
+
+def _shifted_label_terms(batch: Mapping[str, Any]) -> tuple[int, bool]:
+    # transformers' ForCausalLMLoss predicts token t+1 from t: the first label of a row is never a target.
+    shift_labels = batch.get("shift_labels")
+    targets = shift_labels if shift_labels is not None else batch["labels"][..., 1:]
+    return int((targets != IGNORE_INDEX).sum()), False
+
+
+def _label_terms(batch: Mapping[str, Any]) -> tuple[int, bool]:
+    return int((batch["labels"] != IGNORE_INDEX).sum()), False
+
+
+def _row_terms(batch: Mapping[str, Any]) -> tuple[int, bool]:
+    labels = batch.get("labels")
+    padded = isinstance(labels, torch.Tensor) and bool((labels == IGNORE_INDEX).any())
+    return _rows(batch), padded
+
+
+_TOKEN_LOSSES = {
+    "ForCausalLMLoss": _shifted_label_terms,
+    "ForMaskedLMLoss": _label_terms,
+    "ForTokenClassification": _label_terms,
+}
+
+
+def loss_term_rule(model: nn.Module) -> LossTermRule:
+    """The rule that counts ``model``'s loss terms in a batch.
+
+    ``transformers`` models name their loss function: causal LMs count the labels after the
+    one-token shift, masked LMs and token classifiers every label; both skip ``-100``. Any other
+    model counts rows (a per-sample mean) and reports padded labels, which it cannot weight.
+
+    Example::
+
+        count, padded = loss_term_rule(model)({"input_ids": ids, "labels": labels})
+    """
+    loss_function = getattr(model, "loss_function", None)
+    token_rule = _TOKEN_LOSSES.get(getattr(loss_function, "__name__", ""))
+    if token_rule is None:
+        return _row_terms
+
+    def count(batch: Mapping[str, Any]) -> tuple[int, bool]:
+        return token_rule(batch) if isinstance(batch.get("labels"), torch.Tensor) else _row_terms(batch)
+
+    return count

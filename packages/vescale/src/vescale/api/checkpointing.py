@@ -1,0 +1,163 @@
+"""``vescale.save`` / ``vescale.load``: a whole training state on top of ``vescale.dcheckpoint``.
+
+``state = {"plan": Plan, "model": module, "optimizer": ..., "lr_scheduler": ..., "data_loader": ...}``
+(every key but ``"model"`` optional; other keys go to ``vescale.dcheckpoint`` as they are). The
+model's tensors are saved in their parallel layout and load into any other (dcheckpoint's
+resharding); the plan is kept as its JSON text; the LR scheduler and data loader as their JSON
+state dicts. Nothing on disk is pickled.
+
+A ``vescale.doptim.DistributedOptimizer`` is saved in single-device terms (its ``state_dict``:
+per parameter FQN, global tensors), so it loads under any dp size and ZeRO stage. That
+gathers each state tensor whole on every rank while saving and loading (a transient of the
+whole optimizer state per rank); dcheckpoint has no sharded form of ZeRO's ragged ranges yet.
+Any other optimizer goes to dcheckpoint as an optimizer (per FQN, in its parameters' layout).
+Not yet savable, each a ``CheckpointStateError``: pipeline-parallel models (dcheckpoint needs
+the same tensor names on every rank) and bf16 runs with separate fp32 master weights (which
+``DistributedOptimizer.state_dict`` leaves out).
+
+Example::
+
+    vescale.save("ckpt/step-000100", {"plan": plan, "model": model, "optimizer": optimizer})
+    plan = vescale.load("ckpt", {"model": model, "optimizer": optimizer})  # ckpt/latest, any plan
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from vescale.api._global_batch import ParallelizedModel
+from vescale.api.errors import VescaleAPIError
+from vescale.dcheckpoint import CheckpointFormatError, SaveResult, read_index
+from vescale.dcheckpoint import load as load_checkpoint
+from vescale.dcheckpoint import save as save_checkpoint
+from vescale.doptim import DistributedOptimizer
+from vescale.dpipe import PipelineModule
+from vescale.planner import Plan, PlanFormatError
+
+__all__ = ["CheckpointStateError", "load", "save"]
+
+PLAN_KEY = "plan"
+
+
+class CheckpointStateError(VescaleAPIError, ValueError):
+    """The state handed to ``vescale.save``/``vescale.load`` is not one they can save or fill."""
+
+
+class _DistributedOptimizerState:
+    """A ``DistributedOptimizer`` seen by dcheckpoint as a stateful object (see the module docstring).
+
+    dcheckpoint's own optimizer support keys state by the model's parameters, but a
+    ``DistributedOptimizer`` steps flat per-rank ranges of them (its masters), which no FQN names.
+    """
+
+    def __init__(self, optimizer: DistributedOptimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+
+def _module(model: Any) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise CheckpointStateError(
+            f'state["model"] must be the model (an nn.Module, e.g. the one vescale.parallelize returned), '
+            f"got {type(model).__name__}"
+        )
+    # The wrapper's parameters are named "module.<fqn>"; the user's model names them "<fqn>", which is
+    # what the optimizer state and the checkpoint use.
+    module = model.module if isinstance(model, ParallelizedModel) else model
+    if isinstance(module, PipelineModule):
+        raise CheckpointStateError(
+            "the model is pipeline-parallel: each pp rank's state_dict holds only its own stages' "
+            "tensors, and vescale.dcheckpoint needs every rank to save the same tensor names; save "
+            "pipeline runs with vescale.dcheckpoint once it accepts per-rank tensor sets (not yet)"
+        )
+    return module
+
+
+def _check_master_weights(optimizer: DistributedOptimizer) -> None:
+    copies = sorted(shard.fqn for shard in optimizer.shards.values() if not shard.master_is_view)
+    if copies:
+        raise CheckpointStateError(
+            f"the optimizer keeps separate master weights for {copies[:3]} (mixed precision), which "
+            "DistributedOptimizer.state_dict() does not include, so a checkpoint would drop their fp32 "
+            "values; save under mixed_precision='fp32' until doptim exposes its master weights"
+        )
+
+
+def _checkpoint_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The state as dcheckpoint takes it: the bare model, adapted optimizer, everything else as is."""
+    if not isinstance(state, Mapping) or "model" not in state:
+        found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+        raise CheckpointStateError(
+            f'the state must be a dict with at least "model" (and optionally "plan", "optimizer", '
+            f'"lr_scheduler", "data_loader"), got {found}'
+        )
+    checkpoint_state: dict[str, Any] = {}
+    for key, value in state.items():
+        if key == PLAN_KEY:
+            continue
+        if key == "model":
+            value = _module(value)
+        elif isinstance(value, DistributedOptimizer):
+            _check_master_weights(value)
+            value = _DistributedOptimizerState(value)
+        checkpoint_state[key] = value
+    return checkpoint_state
+
+
+def save(path: str | os.PathLike, state: Mapping[str, Any]) -> SaveResult:
+    """Save ``state`` (see the module docstring) to the new checkpoint directory ``path``, on every rank.
+
+    Example::
+
+        state = {"plan": plan, "model": model, "optimizer": optimizer, "lr_scheduler": scheduler}
+        vescale.save("ckpt/step-000100", {**state, "data_loader": loader})
+    """
+    checkpoint_state = _checkpoint_state(state)
+    if PLAN_KEY in state:
+        plan = state[PLAN_KEY]
+        if not isinstance(plan, Plan):
+            raise CheckpointStateError(
+                f'state["plan"] must be a vescale.Plan (the one the run was parallelized with), got '
+                f"{type(plan).__name__}; drop the key to save no plan"
+            )
+        checkpoint_state[PLAN_KEY] = plan.to_json(indent=None)
+    return save_checkpoint(path, checkpoint_state)
+
+
+def _saved_plan(index_objects: Mapping[str, Any], where: str) -> Plan | None:
+    entry = index_objects.get(PLAN_KEY)
+    if entry is None:
+        return None
+    text = entry.get("value") if isinstance(entry, dict) else None
+    if not isinstance(text, str):
+        raise CheckpointFormatError(f"{where}: the saved plan is not the JSON text vescale.save writes")
+    try:
+        return Plan.from_json(text)
+    except PlanFormatError as error:
+        raise CheckpointFormatError(f"{where}: the saved plan does not parse: {error}") from error
+
+
+def load(path: str | os.PathLike, state: Mapping[str, Any]) -> Plan | None:
+    """Fill the objects of ``state`` in place from the checkpoint at ``path``; return the saved plan.
+
+    ``path`` is a checkpoint directory or its parent (whose ``latest`` names one). The objects
+    keep their current layout: a checkpoint saved under one plan loads under another. The
+    ``"plan"`` entry of ``state``, if any, is not changed; the saved one is returned (``None``
+    when the checkpoint holds none).
+
+    Example::
+
+        model, optimizer, scheduler, loader = vescale.parallelize(new_plan, model, optimizer_fn, ...)
+        saved_plan = vescale.load("ckpt", {"model": model, "optimizer": optimizer, "data_loader": loader})
+    """
+    result = load_checkpoint(path, _checkpoint_state(state))
+    return _saved_plan(read_index(result.path).objects, str(result.path))

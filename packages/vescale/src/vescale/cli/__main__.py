@@ -1,0 +1,5 @@
+"""``python -m vescale.cli``: the same as the ``vescale`` console script."""
+
+from vescale.cli import main
+
+main()

@@ -1,0 +1,182 @@
+"""``vescale.parallelize``'s plan features and its errors, on 2 ranks with a tiny ``transformers`` Llama.
+
+Reference for every numeric test: plain PyTorch in one process (same model class, seed,
+batches and AdamW; float32, one thread), each step on the whole global batch. The parallel
+runs are dp2 (one micro-batch per rank unless said), so they differ from the reference by the
+order of float32 sums only (the dp average), ~1e-7 relative per step grown by AdamW; the bound
+on the per-step loss is the issue's 1e-4 relative, except for bf16 (see that test).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import vescale
+from vescale.api.errors import ParallelizeError, PlanMismatchError, UnsupportedPlanError, WorldSizeError
+from vescale.api.parallelize import mesh_of
+from vescale.dtensor.testing import run_on_ranks
+from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
+
+LOSS_RTOL = 1e-4
+STEPS = 5
+GLOBAL_BATCH = 4
+SEQ_LEN = 8
+
+
+def global_batches(vocab_size: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(STEPS):
+        input_ids = torch.randint(0, vocab_size, (GLOBAL_BATCH, SEQ_LEN), generator=generator)
+        batches.append({"input_ids": input_ids, "labels": input_ids.clone()})
+    return batches
+
+
+def optimizer_fn(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def reference_losses() -> list[float]:
+    torch.set_num_threads(1)
+    config = tiny_hf_config("llama")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    optimizer = optimizer_fn(model)
+    losses = []
+    for batch in global_batches(config.vocab_size):
+        optimizer.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def max_relative_error(losses: list[float], reference: list[float]) -> float:
+    return max(abs(loss - expected) / abs(expected) for loss, expected in zip(losses, reference, strict=True))
+
+
+def train_dp2(constraints: dict, compile_model: bool) -> dict:
+    """Train with ``constraints`` on 2 ranks; return losses, dtypes and how often layer 0's MLP ran."""
+    config = tiny_hf_config("llama")
+    vescale.manual_seed(0)
+    model = vescale.deferred_init(transformers.AutoModelForCausalLM.from_config, config)
+    plan = vescale.generate_plan(
+        model, {"data_parallel.size": 2, "global_batch_size": GLOBAL_BATCH, **constraints}
+    )
+    mlp_calls = []
+    # A pre-hook: a recompute stops early after the block's last saved tensor (inside the MLP).
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(1))
+    model, optimizer, _, _ = vescale.parallelize(plan, model, optimizer_fn, compile=compile_model)
+    rows = GLOBAL_BATCH // 2
+    dp_rank = mesh_of(model).get_local_rank("dp")
+    losses = []
+    for batch in global_batches(config.vocab_size):
+        optimizer.zero_grad()
+        loss = model(
+            **{key: value[dp_rank * rows : (dp_rank + 1) * rows] for key, value in batch.items()}
+        ).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    master_dtypes = {str(param.dtype) for group in optimizer.param_groups for param in group["params"]}
+    return {
+        "losses": losses,
+        "param_dtypes": sorted({str(param.dtype) for param in model.parameters()}),
+        "master_dtypes": sorted(master_dtypes),
+        "mlp_calls": len(mlp_calls),
+    }
+
+
+@pytest.mark.parametrize(
+    ("constraints", "mlp_calls_per_step"),
+    [
+        ({"micro_batch_size": 2}, 1),
+        ({"micro_batch_size": 1}, 2),  # two micro-batches per rank: gradient accumulation
+        ({"micro_batch_size": 2, "activation_checkpointing": "full"}, 2),  # forward + recompute
+    ],
+    ids=["dp2", "dp2-accumulation", "dp2-full-recompute"],
+)
+def test_dp2_plan_features_match_single_device_losses(constraints, mlp_calls_per_step):
+    reference = reference_losses()
+    for result in run_on_ranks(train_dp2, world_size=2, args=(constraints, False), timeout_s=300):
+        print(constraints, f"max relative loss error {max_relative_error(result['losses'], reference):.2e}")
+        assert max_relative_error(result["losses"], reference) <= LOSS_RTOL
+        assert result["mlp_calls"] == STEPS * mlp_calls_per_step
+
+
+def test_bf16_plan_keeps_fp32_masters_and_trains_like_fp32_within_bf16_rounding():
+    # bf16 parameters and activations round each value to 8 significant bits (2**-8 = 3.9e-3
+    # relative), but the loss is computed in fp32 from the logits and, near initialisation, hardly
+    # depends on them (~log(vocab)): measured 2.0e-5 relative over 5 steps. The bound, 1e-3, is a
+    # quarter of one bf16 rounding; an fp32 run inside it would not prove bf16, hence the dtype checks.
+    reference = reference_losses()
+    for result in run_on_ranks(
+        train_dp2, world_size=2, args=({"mixed_precision": "bf16"}, False), timeout_s=300
+    ):
+        print(f"bf16 max relative loss error {max_relative_error(result['losses'], reference):.2e}")
+        assert max_relative_error(result["losses"], reference) <= 1e-3
+        assert result["param_dtypes"] == ["torch.bfloat16"]
+        assert result["master_dtypes"] == ["torch.float32"]
+
+
+def test_compile_true_trains_like_single_device():
+    # torch.compile runs the same float32 ops, possibly fused in another order: the same bound.
+    reference = reference_losses()
+    for result in run_on_ranks(train_dp2, world_size=2, args=({"micro_batch_size": 2}, True), timeout_s=500):
+        print(f"compile max relative loss error {max_relative_error(result['losses'], reference):.2e}")
+        assert max_relative_error(result["losses"], reference) <= LOSS_RTOL
+
+
+def api_error_messages() -> dict[str, str]:
+    config = tiny_hf_config("llama")
+    messages = {}
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    four_rank_plan = vescale.generate_plan(model, {"global_batch_size": 4}, world_size=4)
+    with pytest.raises(WorldSizeError) as error:
+        vescale.parallelize(four_rank_plan, model)
+    messages["world_size"] = str(error.value)
+    gpt2 = transformers.AutoModelForCausalLM.from_config(tiny_hf_config("gpt2"))
+    gpt2_plan = vescale.generate_plan(gpt2, {"tensor_parallel.size": 2, "global_batch_size": 4})
+    with pytest.raises(PlanMismatchError) as error:
+        vescale.parallelize(gpt2_plan, model)
+    messages["other_model"] = str(error.value)
+    with pytest.raises(ParallelizeError) as error:
+        vescale.parallelize(model, gpt2_plan)
+    messages["argument_order"] = str(error.value)
+    selective = vescale.generate_plan(
+        model, {"data_parallel.size": 2, "activation_checkpointing": "selective", "global_batch_size": 4}
+    )
+    with pytest.raises(UnsupportedPlanError) as error:
+        vescale.parallelize(selective, model)
+    messages["selective"] = str(error.value)
+    tp_plan = vescale.generate_plan(model, {"tensor_parallel.size": 2, "global_batch_size": 4})
+    with pytest.raises(UnsupportedPlanError) as error:
+        vescale.parallelize(tp_plan, model, compile=True)
+    messages["compile_tp"] = str(error.value)
+    with pytest.raises(ParallelizeError) as error:
+        mesh_of(model)
+    messages["mesh_of"] = str(error.value)
+    return messages
+
+
+def test_parallelize_errors_say_what_is_wrong_and_how_to_fix_it():
+    messages = run_on_ranks(api_error_messages, world_size=2, timeout_s=300)[0]
+    assert "needs world size 4, but the process group has 2 ranks" in messages["world_size"]
+    assert "world_size=2" in messages["world_size"]
+    assert "does not fit LlamaForCausalLM (was the plan made for another model?)" in messages["other_model"]
+    assert "argument order is plan, model" in messages["argument_order"]
+    assert "'selective' is not implemented" in messages["selective"]
+    assert "not a model returned by vescale.parallelize" in messages["mesh_of"]
+    assert "compile=True with tensor parallelism (tp=2) is not supported yet" in messages["compile_tp"]
+
+
+def test_parallelize_without_a_process_group_says_how_to_start_one():
+    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config("llama"))
+    plan = vescale.generate_plan(model, {"global_batch_size": 4}, world_size=2)
+    with pytest.raises(
+        WorldSizeError, match=r"torch\.distributed is not initialised; start the script with torchrun"
+    ):
+        vescale.parallelize(plan, model)

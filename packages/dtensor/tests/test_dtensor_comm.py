@@ -107,6 +107,11 @@ def redistributions_on_ranks(mesh_shape: tuple[int, ...]) -> dict:
     }
 
 
+# torch 2.13 names the single-tensor collectives *_single and deprecates torch 2.11's names for them.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def eager_calls_on_ranks(mesh_shape: tuple[int, ...]) -> list:
     mesh = _mesh(mesh_shape)
     tp_group = mesh.get_group("tp")
@@ -117,8 +122,8 @@ def eager_calls_on_ranks(mesh_shape: tuple[int, ...]) -> list:
     with CommCounter(mesh) as counter:
         dist.all_reduce(local.clone())  # default group
         dist.all_reduce(local.clone(), group=tp_group)
-        dist.all_gather_single(torch.empty(12 * n), local, group=tp_group)
-        dist.reduce_scatter_single(torch.empty(12 // n), local.clone(), group=tp_group)
+        _all_gather_single(torch.empty(12 * n), local, group=tp_group)
+        _reduce_scatter_single(torch.empty(12 // n), local.clone(), group=tp_group)
         dist.all_to_all_single(torch.empty(12), local, group=tp_group)
         dist.broadcast(local.clone(), src=dist.get_process_group_ranks(tp_group)[0], group=tp_group)
     tp_is_world = n == world

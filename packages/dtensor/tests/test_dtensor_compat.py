@@ -161,7 +161,12 @@ def test_dtensor_handler_table_can_be_replaced_by_a_dict_subclass():
 def test_dtensor_scalar_shape_adjusters_and_sharding_caches_exist():
     adjusters = _compat.dtensor_scalar_shape_adjusters()
     assert isinstance(adjusters, dict)
-    assert torch.ops.aten.native_group_norm.default in adjusters  # PyTorch's own use of the table
+    if _compat.torch_version() >= (2, 13):
+        assert torch.ops.aten.native_group_norm.default in adjusters  # PyTorch's own use of the table
+    else:
+        # torch 2.11 has no such table: _compat adds it, and applies it, to the propagator.
+        propagate = _compat.dtensor_sharding_propagator().propagate_op_sharding_non_cached
+        assert propagate.__name__ == "propagate_with_adjusters"
     propagate = _compat.dtensor_sharding_propagator().propagate_op_sharding
     _compat.clear_dtensor_sharding_caches()
     assert propagate.cache_info().currsize == 0
@@ -172,3 +177,63 @@ def test_dtensor_strategy_types_exist():
         assert isinstance(_compat.dtensor_strategy_type(name), type), name
     op_spec = _compat.dtensor_strategy_type("op_spec")(None, None, [[0.0]])
     assert _compat.dtensor_strategy_type("op_strategy")([op_spec]).strategies == [op_spec]
+
+
+# --- torch 2.11: what _compat adds where torch 2.11's DTensor lacks it ---------------------
+
+
+def test_strided_shard_redistribution_falls_back_to_greedy_on_torch_2_11_only():
+    import importlib
+    import inspect
+
+    redistribute_module = importlib.import_module("torch.distributed.tensor._redistribute")
+    _compat.install_strided_shard_greedy_redistribution()
+    plan = redistribute_module._gen_transform_infos_non_cached
+    if _compat.torch_version() >= (2, 13):
+        assert not getattr(plan, "vescale_greedy_fallback", False)
+        return
+    assert plan.vescale_greedy_fallback
+    assert redistribute_module._gen_transform_infos.__wrapped__  # the cached planner calls it by name
+    spec_source = inspect.getsource(importlib.import_module("torch.distributed.tensor._dtensor_spec"))
+    assert _compat.STRIDED_SHARD_UNDECODABLE_ERROR in spec_source
+
+
+def test_moves_torch_2_11_cannot_make_in_one_step_go_through_replicate():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from vescale.dtensor._compat import _through_replicate
+
+    transform_info = importlib_attribute("torch.distributed.tensor._redistribute", "_TransformInfo")
+    strided = _compat.strided_shard_type()(0, split_factor=3)
+    steps = [
+        transform_info(mesh_dim=0, src_dst_placements=(strided, Shard(0)), logical_shape=[6, 2]),
+        transform_info(mesh_dim=1, src_dst_placements=(Partial(), strided), logical_shape=[6, 2]),
+        transform_info(mesh_dim=0, src_dst_placements=(Replicate(), strided), logical_shape=[6, 2]),
+        transform_info(mesh_dim=0, src_dst_placements=(Shard(1), Shard(0)), logical_shape=[6, 2]),
+    ]
+    moves = [(step.mesh_dim, *step.src_dst_placements) for step in _through_replicate(steps)]
+    assert moves == [
+        (0, strided, Replicate()),
+        (0, Replicate(), Shard(0)),
+        (1, Partial(), Replicate()),
+        (1, Replicate(), strided),
+        (0, Replicate(), strided),
+        (0, Shard(1), Shard(0)),
+    ]
+
+
+def importlib_attribute(module_name: str, attribute: str):
+    import importlib
+
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def test_dispatcher_runs_rewritten_ops_and_detach_has_a_strategy_on_every_torch():
+    import vescale.dtensor.ops  # noqa: F401  (registers the strategies torch 2.11 lacks)
+
+    local_results = _compat._op_dispatcher()._dispatch_get_local_results_slow_path
+    assert getattr(local_results, "vescale_runs_rewritten_ops", False) == (_compat.torch_version() < (2, 13))
+    strategies = _compat.dtensor_strategy_registries()["op_strategy_funcs"]
+    assert torch.ops.aten.detach_.default in strategies
+    _compat.register_dtensor_op_strategy_like(torch.ops.aten.detach_.default, torch.ops.aten.detach.default)
+    assert strategies[torch.ops.aten.detach_.default] is strategies[torch.ops.aten.detach.default]

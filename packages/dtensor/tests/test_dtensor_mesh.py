@@ -85,3 +85,13 @@ def test_reexported_dtensor_api_shards_and_rebuilds_the_single_device_tensor():
         assert torch.equal(local, full[:, 3 * tp_rank : 3 * tp_rank + 3])
         assert torch.equal(rebuilt, full)
     assert vdt.DTensor is torch.distributed.tensor.DTensor
+
+
+def test_gloo_means_cpu_on_a_machine_with_an_accelerator(monkeypatch):
+    # torch maps gloo to "mps" as well as "cpu": on a CUDA machine a gloo mesh once came out on
+    # "mps", and init_device_mesh failed inside torch (torch.mps has no is_initialized).
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    assert device_type_for_backend("gloo") == "cpu"
+    assert device_type_for_backend("cpu:gloo,cuda:nccl") == "cuda"
+    assert device_type_for_backend("nccl") == "cuda"

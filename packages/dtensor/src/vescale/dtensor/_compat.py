@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections import OrderedDict
 from typing import Any
@@ -158,6 +159,7 @@ def set_dtensor_custom_op_handlers(table: dict) -> None:
 def dtensor_scalar_shape_adjusters() -> dict:
     """``{OpOverload: adjust(input_specs, op_schema) -> op_schema}``: the propagator's rewrites of an
     op's non-tensor arguments into local values, applied when an input is sharded."""
+    # torch 2.11/2.12 have the table only as this module adds it (see its torch 2.11 section).
     adjusters = getattr(dtensor_sharding_propagator(), "op_to_scalar_shape_adjuster", None)
     if not isinstance(adjusters, dict):
         raise PrivateTorchAPIError(
@@ -482,3 +484,155 @@ __all__ += [
     "op_schema",
     "storage_key",
 ]
+
+
+# --- torch 2.11 (the packages declare torch>=2.11) -----------------------------------------
+# Two things veScale relies on arrived in DTensor after torch 2.11; on 2.11/2.12 they are
+# added here, in the same private places 2.13 has them, and nothing changes on 2.13.
+# * A DTensorSpec with a _StridedShard whose split factor is no product of mesh sizes (every
+#   InterleavedShard) cannot be read as a shard order; 2.13's redistribution then plans the
+#   move with its greedy planner, where 2.11 raises ValueError. The fallback wraps the private
+#   module function that plans a redistribution (_redistribute._gen_transform_infos_non_cached,
+#   called through its cached twin by every redistribution).
+# * ShardingPropagator.op_to_scalar_shape_adjuster (rewrites an op's non-tensor arguments into
+#   local ones): 2.11 has no such table. The propagator's uncached propagation is wrapped to
+#   apply it as 2.13 does (after the strategy's decision, when an input is sharded), and its
+#   per-thread LRU cache (ShardingPropagator.propagate_op_sharding) is rebuilt around the wrapper.
+
+# The text of 2.11's ValueError for a _StridedShard that is no shard order (one source line of it).
+STRIDED_SHARD_UNDECODABLE_ERROR = "is unable to be interpreted into a corresponding"
+_REDISTRIBUTE_MODULE = "torch.distributed.tensor._redistribute"
+_PLANNER_ATTRIBUTE = "_gen_transform_infos_non_cached"
+
+
+def install_strided_shard_greedy_redistribution() -> None:
+    """On torch 2.11/2.12, plan redistributions of undecodable ``_StridedShard`` greedily, as 2.13 does
+    (idempotent; nothing on 2.13, where ``DTensorSpec`` raises a dedicated error that torch catches)."""
+    if torch_version() >= (2, 13):
+        return
+    module = importlib.import_module(_REDISTRIBUTE_MODULE)
+    plan = _private_attribute(_REDISTRIBUTE_MODULE, _PLANNER_ATTRIBUTE, None)
+    get_planner = _private_attribute(_REDISTRIBUTE_MODULE, "get_redistribute_planner", None)
+    cached_plan = _private_attribute(_REDISTRIBUTE_MODULE, "_gen_transform_infos", None)
+    if getattr(plan, "vescale_greedy_fallback", False):
+        return
+
+    def plan_with_greedy_fallback(src_spec: Any, dst_spec: Any, use_graph_based_transform: Any = None) -> Any:
+        try:
+            return plan(src_spec, dst_spec, use_graph_based_transform)
+        except ValueError as error:
+            if STRIDED_SHARD_UNDECODABLE_ERROR not in str(error):
+                raise
+            planner = get_planner(src_spec.device_mesh, src_spec.tensor_meta)
+            return _through_replicate(planner.generate_greedy_transform_infos(src_spec, dst_spec))
+
+    plan_with_greedy_fallback.vescale_greedy_fallback = True  # type: ignore[attr-defined]
+    setattr(module, _PLANNER_ATTRIBUTE, plan_with_greedy_fallback)
+    cached_plan.cache_clear()  # plans that failed were not cached; ones that worked stay valid
+
+
+def _through_replicate(transform_infos: list) -> list:
+    """The steps, with each move 2.11 cannot make in one step (``_StridedShard`` to or from
+    ``Shard``, ``Partial`` to ``_StridedShard``) made in two, through ``Replicate``."""
+    strided_shard = strided_shard_type()
+    placement_types = importlib.import_module("torch.distributed.tensor.placement_types")
+    steps = []
+    for info in transform_infos:
+        current, target = info.src_dst_placements
+        to_strided = isinstance(target, strided_shard) and not isinstance(current, strided_shard)
+        strided_to_shard = isinstance(current, strided_shard) and type(target) is placement_types.Shard
+        if (to_strided and not current.is_replicate()) or strided_to_shard:
+            replicate = placement_types.Replicate()
+            steps.append(dataclasses.replace(info, src_dst_placements=(current, replicate)))
+            steps.append(dataclasses.replace(info, src_dst_placements=(replicate, target)))
+        else:
+            steps.append(info)
+    return steps
+
+
+def _install_scalar_shape_adjusters(propagator: Any) -> None:
+    """Give a torch 2.11 ``ShardingPropagator`` 2.13's ``op_to_scalar_shape_adjuster`` table."""
+    cache_class = _private_attribute("torch.distributed.tensor._sharding_prop", "LocalLRUCache", type)
+    shard_types = (
+        _private_attribute("torch.distributed.tensor.placement_types", "Shard", type),
+        strided_shard_type(),
+    )
+    propagate = getattr(propagator, "propagate_op_sharding_non_cached", None)
+    if propagate is None or not hasattr(propagator, "propagate_op_sharding"):
+        raise PrivateTorchAPIError(
+            "DTensor's ShardingPropagator.propagate_op_sharding(_non_cached) is missing in torch "
+            f"{torch.__version__}; update vescale/dtensor/_compat.py for this release."
+        )
+    adjusters: dict = {}
+
+    def propagate_with_adjusters(op_schema: Any) -> Any:
+        output_sharding = propagate(op_schema)
+        adjust = adjusters.get(op_schema.op)
+        if adjust is None:
+            return output_sharding
+        schema = output_sharding.redistribute_schema or op_schema
+        input_specs = list(schema.args_spec)
+        if any(isinstance(p, shard_types) for spec in input_specs for p in spec.placements):
+            output_sharding.redistribute_schema = adjust(input_specs, schema)
+            output_sharding.needs_redistribute = True
+            output_sharding.use_val_from_redistribute_schema = True
+        return output_sharding
+
+    propagator.op_to_scalar_shape_adjuster = adjusters
+    propagator.propagate_op_sharding_non_cached = propagate_with_adjusters
+    propagator.propagate_op_sharding = cache_class(propagate_with_adjusters)
+
+
+def _run_rewritten_ops() -> None:
+    """Make a torch 2.11 dispatcher run the op of an adjusted schema (``split`` rewritten to
+    ``split_with_sizes``), as 2.13 does. DTensor's C++ dispatch looks this method up on the
+    dispatcher the first time an op needs it and keeps it, so this runs when this module is
+    imported; stock 2.11 never rewrites an op, so the wrapper changes nothing else."""
+    dispatcher = _op_dispatcher()
+    local_results = getattr(dispatcher, "_dispatch_get_local_results_slow_path", None)
+    if getattr(local_results, "vescale_runs_rewritten_ops", False):
+        return
+    if local_results is None:
+        raise PrivateTorchAPIError(
+            "DTensor._op_dispatcher._dispatch_get_local_results_slow_path is missing in torch "
+            f"{torch.__version__}; update vescale/dtensor/_compat.py for this release."
+        )
+
+    def local_results_of_rewritten_op(op_call: Any, args: Any, op_info: Any) -> Any:
+        output_sharding = op_info.output_sharding
+        rewritten = output_sharding.redistribute_schema if output_sharding.needs_redistribute else None
+        if rewritten is not None and rewritten.op != op_call:
+            op_call = rewritten.op
+        return local_results(op_call, args, op_info)
+
+    local_results_of_rewritten_op.vescale_runs_rewritten_ops = True  # type: ignore[attr-defined]
+    dispatcher._dispatch_get_local_results_slow_path = local_results_of_rewritten_op
+
+
+def register_dtensor_op_strategy_like(op: Any, like: Any) -> None:
+    """Give ``op`` the strategy (and runtime schema info) DTensor registered for ``like``; for ops
+    torch 2.13 registers and 2.11 does not, e.g. ``detach_`` like ``detach``."""
+    propagator = dtensor_sharding_propagator()
+    dtensor_strategy_registries()["op_strategy_funcs"][op] = dtensor_op_strategy(like)
+    schema_infos = getattr(propagator, "op_to_schema_info", None)
+    if not isinstance(schema_infos, dict):
+        raise PrivateTorchAPIError(
+            f"DTensor's ShardingPropagator.op_to_schema_info is missing or not a dict in torch "
+            f"{torch.__version__}; update vescale/dtensor/_compat.py for this release."
+        )
+    if like in schema_infos:
+        schema_infos[op] = schema_infos[like]
+
+
+__all__ += [
+    "STRIDED_SHARD_UNDECODABLE_ERROR",
+    "install_strided_shard_greedy_redistribution",
+    "register_dtensor_op_strategy_like",
+]
+
+# Installed when this module is imported: a propagation already under way when the table
+# appeared would cache its decision unadjusted, and the C++ dispatch keeps the first local-results
+# method it looks up.
+if torch_version() < (2, 13):
+    _install_scalar_shape_adjusters(dtensor_sharding_propagator())
+    _run_rewritten_ops()

@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import importlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -142,9 +143,13 @@ def _rewrite_split_sizes(input_specs: list, op_schema: Any) -> Any:
     _disarm()
     if rewrite.op is not op_schema.op or op_schema.args_schema[0] != rewrite.input_spec:
         return op_schema  # left over from a propagation that failed after the strategy ran
-    # split_with_sizes, not split: ranks that hold no rows of a part still need every piece.
+    schema_type = _compat.dtensor_strategy_type("op_schema")
+    if rewrite.op is aten.split.Tensor and rewrite.local_sizes[0] > 0:
+        # The same op with the local piece size: torch 2.11 can run only the op it was given.
+        return schema_type(rewrite.op, (op_schema.args_schema[0], rewrite.local_sizes[0], rewrite.dim), {})
+    # split_with_sizes: a rank that holds no rows of a part still needs every (empty) piece.
     local_arguments = (op_schema.args_schema[0], list(rewrite.local_sizes), rewrite.dim)
-    return _compat.dtensor_strategy_type("op_schema")(aten.split_with_sizes.default, local_arguments, {})
+    return schema_type(aten.split_with_sizes.default, local_arguments, {})
 
 
 def _split_sizes(split_size_or_sizes: Any, dim_size: int) -> list[int] | None:
@@ -276,6 +281,11 @@ def register_interleaved_ops() -> None:
             _compat.set_dtensor_op_strategy(op, _wrapping(strategy, registered))
             wrapped_any = True
     if wrapped_any:
+        # torch 2.11 cannot plan a redistribution of a _StridedShard that is no shard order, nor
+        # unflatten one into its parts without the view strategies of vescale.dtensor.ops.views.
+        _compat.install_strided_shard_greedy_redistribution()
+        if _compat.torch_version() < (2, 13):
+            importlib.import_module("vescale.dtensor.ops.views")
         # Decisions cached before (an all-gather for an interleaved split) must be made again.
         _compat.clear_dtensor_sharding_caches()
 

@@ -46,9 +46,11 @@ def device_type_for_backend(backend: str) -> str:
             f"cannot tell which device the process-group backend {backend!r} uses; "
             "pass it explicitly, e.g. init_mesh(dp=2, tp=2, device_type='cuda')"
         )
-    accelerators = [device for device in devices if device != "cpu"]
-    if accelerators and torch.accelerator.is_available():
-        return accelerators[0]
+    # Only this machine's accelerator: torch maps gloo to "mps" as well as "cpu", and a mesh on
+    # "mps" fails inside torch on a CUDA machine (torch.mps has no is_initialized).
+    current = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if current is not None and current.type in devices:
+        return current.type
     return "cpu" if "cpu" in devices else devices[0]
 
 

@@ -15,13 +15,24 @@ Example::
 
 # Shard(i) -> Shard(j) as one all-to-all on every backend is part of the same completion of DTensor.
 import vescale.dtensor.redistribute  # noqa: F401
-from vescale.dtensor.ops import attention, concat, elementwise, grouped_mm, loss, scalars, views
+from vescale.dtensor.ops import (
+    attention,
+    backports,
+    concat,
+    elementwise,
+    grouped_mm,
+    loss,
+    scalars,
+    strided_shard,
+    views,
+)
 from vescale.dtensor.ops.coverage import OpCoverageRecorder, OpCoverageReport, has_sharding_strategy, op_name
 
 __all__ = [
     "OpCoverageRecorder",
     "OpCoverageReport",
     "attention",
+    "backports",
     "concat",
     "elementwise",
     "grouped_mm",
@@ -29,5 +40,6 @@ __all__ = [
     "loss",
     "op_name",
     "scalars",
+    "strided_shard",
     "views",
 ]

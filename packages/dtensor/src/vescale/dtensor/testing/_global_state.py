@@ -40,6 +40,10 @@ def reset_global_state(seed: int = DEFAULT_SEED) -> None:
     _compat.clear_global_module_hooks()
     if "torch.distributed.tensor._random" in sys.modules:  # no DTensor yet, no tracker to forget
         _compat.reset_dtensor_rng_tracker()
+    if "torch.distributed.tensor" in sys.modules:
+        # Cached sharding decisions hold the meshes of earlier runs; a new mesh of the same shape
+        # compares equal, so a cached output spec would name a destroyed process group.
+        _compat.clear_dtensor_sharding_caches()
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
 

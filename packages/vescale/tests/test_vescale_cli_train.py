@@ -20,6 +20,8 @@ import pytest
 import torch
 import transformers
 
+from vescale.dtensor.testing._rank_pool import _machine_wide_rank_lock
+
 VESCALE = Path(sys.executable).parent / "vescale"
 
 FIRST_STEPS, RESUMED_STEPS = 6, 3
@@ -42,9 +44,17 @@ TINY_LLAMA = dict(
 def run_vescale(*arguments: str) -> subprocess.CompletedProcess:
     assert VESCALE.is_file(), f"{VESCALE} is missing: install the meta-package (bash tools/setup.sh)"
     environment = {**os.environ, "COLUMNS": "200"}  # rich wraps no table cell the tests look for
-    return subprocess.run(
-        [str(VESCALE), *arguments], capture_output=True, text=True, timeout=300, env=environment, check=False
-    )
+    # Its ranks are real gloo processes: take the harness's machine-wide lock so that they never
+    # start while another test's ranks are connecting.
+    with _machine_wide_rank_lock():
+        return subprocess.run(
+            [str(VESCALE), *arguments],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=environment,
+            check=False,
+        )
 
 
 def assert_one_line_error(completed: subprocess.CompletedProcess, *fragments: str) -> None:

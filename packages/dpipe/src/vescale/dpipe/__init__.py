@@ -18,6 +18,7 @@ from vescale.dpipe.errors import (
     SplitPointError,
     StageCountError,
 )
+from vescale.dpipe.finished_loss import loss_with_backward_done
 from vescale.dpipe.pipeline_module import PipelineModule, pipeline_parallelize
 from vescale.dpipe.plan import SCHEDULES, SPLIT_METHODS, PipelinePlan
 
@@ -33,6 +34,7 @@ __all__ = [
     "SplitPointError",
     "StageCountError",
     "__version__",
+    "loss_with_backward_done",
     "pipeline_parallelize",
 ]
 

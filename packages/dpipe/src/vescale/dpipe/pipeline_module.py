@@ -27,6 +27,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from vescale.dpipe.activation_meter import ActivationMeter
 from vescale.dpipe.errors import MicrobatchError, PipelinePlanError
+from vescale.dpipe.finished_loss import loss_with_backward_done
 from vescale.dpipe.gradients import data_parallel_sync_deferred, finish_pipeline_gradients, tied_parameters
 from vescale.dpipe.plan import PipelinePlan
 from vescale.dpipe.schedules import build_schedule, local_stage_indices
@@ -35,18 +36,6 @@ from vescale.dpipe.stage_module import PipelineStageModule, StageRouter
 from vescale.dpipe.tracing import ModelTrace, default_example_batch, trace_model
 
 __all__ = ["PipelineModule", "pipeline_parallelize"]
-
-
-class _BackwardAlreadyRan(torch.autograd.Function):
-    """Identity on the loss whose backward stops: the schedule has already run backward."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[None, None]:
-        return None, None
 
 
 def _loss_of_last_stage(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
@@ -120,7 +109,7 @@ class PipelineModule(nn.Module):
             )
         loss = self._broadcast_loss(losses) if has_labels else None
         if loss is not None and training:
-            loss = _BackwardAlreadyRan.apply(self._anchor, loss)
+            loss = loss_with_backward_done(self._anchor, loss)
         logits = None
         last_stage_module = self._stage_modules[-1]
         if last_stage_module.is_last:

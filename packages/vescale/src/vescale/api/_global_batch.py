@@ -34,20 +34,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from vescale.api._token_weights import loss_term_rule
 from vescale.api.errors import UnsupportedPlanError
 from vescale.doptim import data_parallel_of
+from vescale.dpipe import loss_with_backward_done
 
 __all__ = ["ParallelizedModel"]
-
-
-class _BackwardAlreadyRan(torch.autograd.Function):
-    """The whole-batch loss as a leaf of nothing: its backward stops, the call already ran backward."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[None, None]:
-        return None, None
 
 
 def _split(batch: Mapping[str, Any], pieces: int) -> list[dict[str, Any]]:
@@ -194,7 +183,7 @@ class ParallelizedModel(nn.Module):
         global_loss = self._global_loss(weighted_sum)
         if training:
             anchor = torch.zeros((), requires_grad=True)
-            global_loss = _BackwardAlreadyRan.apply(anchor, global_loss)
+            global_loss = loss_with_backward_done(anchor, global_loss)
         return _concatenated(outputs, global_loss)
 
     def _pipelined_forward(self, batch: dict[str, Any], counts: list[tuple[int, bool]]) -> Any:
@@ -212,7 +201,7 @@ class ParallelizedModel(nn.Module):
             )
         output = self._call_module(**batch)
         loss = _required_loss(output)
-        return _with_loss(output, _BackwardAlreadyRan.apply(loss, self._global_loss(loss / self._dp_size)))
+        return _with_loss(output, loss_with_backward_done(loss, self._global_loss(loss / self._dp_size)))
 
 
 def _plain(loss: torch.Tensor) -> torch.Tensor:

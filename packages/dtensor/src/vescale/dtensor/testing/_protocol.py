@@ -40,3 +40,4 @@ class RunReply:
     output: str = ""
     seconds: float = 0.0
     failed_at: float = 0.0  # time.time() when the exception was caught: the first one is the cause
+    in_setup: bool = False  # failed while joining the process group: the rank process is spent

@@ -252,7 +252,8 @@ class RankPool:
         # (gloo: "Connection reset by peer"). A crash has no timestamp and counts as first.
         failures = {rank: reply.failed_at for rank, reply in replies.items() if not reply.ok}
         failed = min(crashes) if crashes else min(failures, key=lambda rank: (failures[rank], rank))
-        if stuck or crashes:
+        # A rank that failed to join its process group keeps half of one; it would hang the next run.
+        if stuck or crashes or any(reply.in_setup for reply in replies.values() if not reply.ok):
             self.close(kill=True)
         return replies, self._failure_error(failed, world_size, replies, crashes, stuck)
 

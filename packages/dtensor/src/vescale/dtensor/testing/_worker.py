@@ -49,7 +49,7 @@ def _read_output(output_file: str) -> str:
     return text
 
 
-def _failure_reply(rank: int, error: BaseException, started: float) -> RunReply:
+def _failure_reply(rank: int, error: BaseException, started: float, *, in_setup: bool = False) -> RunReply:
     failed_at = time.time()  # before the process group goes down and peers fail in turn
     try:
         exception_bytes: bytes | None = pickle.dumps(error)
@@ -65,6 +65,7 @@ def _failure_reply(rank: int, error: BaseException, started: float) -> RunReply:
         traceback_text="".join(traceback.format_exception(type(error), error, error.__traceback__)),
         seconds=time.perf_counter() - started,
         failed_at=failed_at,
+        in_setup=in_setup,
     )
 
 
@@ -89,8 +90,12 @@ def _run(request: RunRequest) -> RunReply:
                 # Longer than the parent's timeout: the parent, not gloo, decides a rank is hung.
                 timeout=timedelta(seconds=request.timeout_s + 60),
             )
+            # gloo's full-mesh connect can finish on one rank before its peer: a rank that then
+            # failed or returned at once tore down its sockets while the peer was still connecting
+            # ("connectFullMesh failed ... Connection closed by peer"). Everyone connected first.
+            dist.barrier()
         except BaseException as error:
-            return _failure_reply(request.rank, error, started)
+            return _failure_reply(request.rank, error, started, in_setup=True)
         try:
             value_bytes = pickle.dumps(function(*args, **kwargs))
         except BaseException as error:

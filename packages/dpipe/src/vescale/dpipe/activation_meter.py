@@ -73,7 +73,12 @@ class ActivationMeter:
                 return tensor
             saved_in_block[storage_key] = storage.nbytes()
             self._hold(storage_key, storage.nbytes())
-            return _SavedActivation(tensor, self, storage_key)
+            # Detached: an op that saves its own output (rsqrt, attention) would otherwise hold,
+            # through this handle, the output's grad_fn, i.e. the node itself. That cycle runs
+            # through C++ where Python's collector cannot see it, so the node lives until its
+            # saved tensors are released by backward, which zero-bubble schedules never do for
+            # the nodes off the weight-gradient path (their input pass retains the graph).
+            return _SavedActivation(tensor.detach(), self, storage_key)
 
         def unpack(packed: object) -> torch.Tensor:
             return packed.tensor if isinstance(packed, _SavedActivation) else packed

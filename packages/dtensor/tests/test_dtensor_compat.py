@@ -237,3 +237,15 @@ def test_dispatcher_runs_rewritten_ops_and_detach_has_a_strategy_on_every_torch(
     assert torch.ops.aten.detach_.default in strategies
     _compat.register_dtensor_op_strategy_like(torch.ops.aten.detach_.default, torch.ops.aten.detach.default)
     assert strategies[torch.ops.aten.detach_.default] is strategies[torch.ops.aten.detach.default]
+
+
+def test_active_torch_function_modes_lists_the_modes_entered_on_this_thread():
+    from torch.overrides import TorchFunctionMode
+
+    class Marker(TorchFunctionMode):
+        pass
+
+    assert not any(isinstance(mode, Marker) for mode in _compat.active_torch_function_modes())
+    with Marker() as marker:
+        assert _compat.active_torch_function_modes()[-1] is marker
+    assert marker not in _compat.active_torch_function_modes()

@@ -144,3 +144,42 @@ def test_grouped_query_attention_pairs_query_groups_with_their_key_heads():
         _assert_close(out, expected.detach())
         for grad, tensor in zip(grads, tensors, strict=True):
             _assert_close(grad, tensor.grad)
+
+
+def grouped_query_attention_on_a_2d_mesh(key_heads: int, head_placements: tuple) -> tuple:
+    mesh = init_device_mesh("cpu", (2, 2))
+    tensors = [
+        distribute_tensor(tensor, mesh, list(head_placements)).requires_grad_(True)
+        for tensor in _attention_inputs(key_heads)
+    ]
+    out = F.scaled_dot_product_attention(*tensors, is_causal=True, enable_gqa=True)
+    out.sum().backward()
+    return out.placements, out.full_tensor(), [tensor.grad.full_tensor() for tensor in tensors]
+
+
+# (key heads, placements of q/k/v heads on a 2 x 2 mesh, expected output placements).
+MESH_2D_CASES = (
+    # 2 key heads in 2 chunks over the second mesh dim alone (as tp in dp x tp): the heads stay
+    # sharded; bounding the chunks by the whole mesh (4) gathered them.
+    (2, (Replicate(), Shard(1)), (Replicate(), Shard(1))),
+    # 6 key heads in 2 x 2 = 4 chunks (2|2|2|0 against 12 query heads' 3|3|3|3) would mispair
+    # query groups: the heads are gathered on one mesh dim, so that 2 chunks remain.
+    (6, (Shard(1), Shard(1)), "not 4 head chunks"),
+)
+
+
+def test_grouped_query_head_chunks_count_the_mesh_dims_that_shard_the_heads():
+    for key_heads, head_placements, expected_placements in MESH_2D_CASES:
+        tensors = [tensor.requires_grad_(True) for tensor in _attention_inputs(key_heads)]
+        expected = F.scaled_dot_product_attention(*tensors, is_causal=True, enable_gqa=True)
+        expected.sum().backward()
+        placements, out, grads = run_on_ranks(
+            grouped_query_attention_on_a_2d_mesh, 4, args=(key_heads, head_placements)
+        )[0]
+        if isinstance(expected_placements, tuple):
+            assert placements == expected_placements
+        else:
+            assert placements.count(Shard(1)) < 2, placements
+        _assert_close(out, expected.detach())
+        for grad, tensor in zip(grads, tensors, strict=True):
+            _assert_close(grad, tensor.grad)

@@ -11,7 +11,8 @@ Steps, all decided before anything changes so that a bad plan leaves the module 
    allocates only its shards;
 3. forward hooks put the inputs and outputs the plan names into their placements (one
    conversion per input tensor and target per forward, shared by sibling modules);
-4. plain tensors created inside the module's forward count as Replicate
+4. plain tensors created inside the module's forward count as Replicate, also where
+   activation checkpointing recomputes a block during backward
    (:func:`vescale.dtensor.implicit_replication.implicit_replication_scope`);
 5. gradients that arrive Partial (Replicate parameters next to sharded activations) are
    reduced at the end of backward (:mod:`vescale.dtensor.grad_sync`);

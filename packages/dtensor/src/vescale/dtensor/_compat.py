@@ -353,6 +353,21 @@ def set_dtensor_implicit_replication(enabled: bool) -> None:
     _op_dispatcher()._allow_implicit_replication = enabled
 
 
+# The autograd engine resets the thread's torch-function modes to those active when
+# ``backward()`` started, so a scope cannot trust its own bookkeeping to know whether its mode
+# is active (a block recomputed by activation checkpointing runs in backward); only torch's
+# private mode stack tells.
+def active_torch_function_modes() -> list:
+    """The torch-function modes active on this thread now, outermost first."""
+    stack = _private_attribute("torch.overrides", "_get_current_function_mode_stack", None)
+    if not callable(stack):
+        raise PrivateTorchAPIError(
+            f"torch.overrides._get_current_function_mode_stack is not callable in torch {torch.__version__}; "
+            "update vescale/dtensor/_compat.py for this release."
+        )
+    return list(stack())
+
+
 def dtensor_op_strategy(op: Any) -> Any:
     """The strategy function DTensor registered for ``op`` (``OpSchema -> StrategyType``)."""
     strategies = dtensor_strategy_registries()["op_strategy_funcs"]
@@ -410,6 +425,7 @@ __all__ += [
     "C10D_COLLECTIVE_NAMESPACE",
     "DTENSOR_OP_NAMESPACE",
     "FUNCTIONAL_COLLECTIVE_NAMESPACE",
+    "active_torch_function_modes",
     "current_autograd_node",
     "dtensor_implicit_replication_enabled",
     "dtensor_op_strategy",

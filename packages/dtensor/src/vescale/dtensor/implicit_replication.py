@@ -7,8 +7,9 @@ DTensor"). Inside a parallelized module those tensors hold the same values on ev
 so treating them as Replicate is correct; outside it (the user's own code) a plain tensor
 may be a per-rank shard, so the error stays.
 
-:func:`implicit_replication_scope` does two things during the module's forward, and
-undoes them afterwards, also when the forward raises:
+:func:`implicit_replication_scope` does two things during the forward of the module and of
+each of its submodules (unless already done by an enclosing one), and undoes them
+afterwards, also when the forward raises:
 
 * a ``TorchFunctionMode`` wraps each plain tensor that meets a DTensor in a Python-level
   torch call as a Replicate DTensor *before autograd records the op*, so the backward
@@ -17,6 +18,12 @@ undoes them afterwards, also when the forward raises:
   autograd engine restores the thread-local state captured when ``backward()`` starts);
 * DTensor's implicit-replication flag, for plain tensors that C++ composite ops create
   below the Python level.
+
+Submodules get the scope too because activation checkpointing (``torch.utils.checkpoint``
+around a decoder block) recomputes a block's forward during backward, long after the
+module's own forward has exited and under the thread state of ``backward()``: the block's
+submodules (its attention, its MLP) then enter the scope themselves, so a rotary table
+saved as a plain tensor is Replicate in the recomputation as it was in the forward.
 
 Example::
 
@@ -110,12 +117,15 @@ class ImplicitReplicationHandle:
     """
 
     def __init__(self, module: nn.Module) -> None:
-        # One entry per forward still running: a module may be re-entered.
-        self._active: list[tuple[ReplicatePlainTensorsMode, bool]] = []
-        self._hook_handles = [
-            module.register_forward_pre_hook(self._enter_forward),
-            module.register_forward_hook(self._exit_forward, always_call=True),
-        ]
+        # One entry per forward still running (modules nest and may be re-entered): the mode
+        # this forward entered and the flag it replaced, or None where an enclosing one had.
+        self._active: list[tuple[ReplicatePlainTensorsMode, bool] | None] = []
+        self._hook_handles = []
+        for submodule in module.modules():
+            self._hook_handles += [
+                submodule.register_forward_pre_hook(self._enter_forward),
+                submodule.register_forward_hook(self._exit_forward, always_call=True),
+            ]
 
     def remove(self) -> None:
         """Remove the hooks; later forwards of the module run without the scope."""
@@ -124,19 +134,28 @@ class ImplicitReplicationHandle:
         self._hook_handles = []
 
     def _enter_forward(self, module: nn.Module, args: Any) -> None:
+        # The thread's mode stack, not self._active, says whether a scope is on: in backward the
+        # autograd engine has reset the stack while this module's forward may still be running.
+        if any(isinstance(mode, ReplicatePlainTensorsMode) for mode in _compat.active_torch_function_modes()):
+            self._active.append(None)
+            return
         mode = ReplicatePlainTensorsMode()
         self._active.append((mode, _compat.dtensor_implicit_replication_enabled()))
         _compat.set_dtensor_implicit_replication(True)
         mode.__enter__()
 
     def _exit_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        mode, saved_setting = self._active.pop()
+        entry = self._active.pop()
+        if entry is None:
+            return
+        mode, saved_setting = entry
         mode.__exit__(None, None, None)
         _compat.set_dtensor_implicit_replication(saved_setting)
 
 
 def implicit_replication_scope(module: nn.Module) -> ImplicitReplicationHandle:
-    """Treat plain tensors as Replicate DTensors inside ``module``'s forward (and so its backward).
+    """Treat plain tensors as Replicate DTensors inside the forward of ``module`` and its submodules
+    (and so in their backward, and in their recomputation by activation checkpointing).
 
     Outside the module, mixing a plain tensor with a DTensor still raises. The dmodule
     package calls this on every module it parallelizes.

@@ -6,8 +6,12 @@ PyTorch shards the CUDA kernels (flash, efficient, cuDNN); on CPU,
 Attention is independent per batch row and per head, so each op shards on the batch dim
 (0) or the head dim (1) of query, key, value, outputs and gradients alike. Grouped-query
 attention (fewer key/value heads than query heads) keeps head sharding valid only when the
-key/value head count divides by the mesh size, since contiguous head chunks then pair each
-query group with its key/value head; otherwise heads are not offered as a sharding dim.
+key/value head count divides by the number of head chunks, since contiguous chunks then pair
+each query group with its key/value head. That number is the product of the sizes of the
+mesh dims that shard the heads, known only once ``register_sharding`` has expanded one mesh
+dim's choices to the whole mesh: the expanded strategies are filtered afterwards. (Bounding
+it by the whole mesh instead refused head sharding over ``tp`` on a ``pp x dp x tp`` mesh and
+fell back to all-gathered heads, whose local layout then disagreed with the DTensor's.)
 An attention mask broadcast over a dim (size 1 there) stays Replicate.
 
 Example::
@@ -19,13 +23,17 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
+from vescale.dtensor import _compat
+
 __all__ = [
+    "pairing_query_groups",
     "sdpa_flash_for_cpu_backward_strategy",
     "sdpa_flash_for_cpu_strategy",
     "sdpa_math_strategy",
@@ -42,21 +50,13 @@ def _shard_unless_broadcast(spec: Any, dim: int) -> Placement:
     return Shard(dim) if spec.shape[dim] > 1 else Replicate()
 
 
-def _heads_shard_evenly(query: Any, key: Any) -> bool:
-    """Whether chunking the head dim pairs every query head with its key/value head."""
-    query_heads, key_heads = query.shape[1], key.shape[1]
-    # The mesh of the specs, in full: a conservative bound for head sharding on any of its dims.
-    return query_heads == key_heads or key_heads % key.mesh.size() == 0
-
-
 def _attention_strategies(
-    num_outputs: int, num_attention_tensors: int, mask: Any | None, query: Any, key: Any
+    num_outputs: int, num_attention_tensors: int, mask: Any | None
 ) -> list[tuple[list[Placement], list[Placement]]]:
     """All Replicate, and one strategy per independent dim sharding every tensor on it."""
     mask_count = 0 if mask is None else 1
     strategies = [([Replicate()] * num_outputs, [Replicate()] * (num_attention_tensors + mask_count))]
-    dims = _INDEPENDENT_DIMS if _heads_shard_evenly(query, key) else (0,)
-    for dim in dims:
+    for dim in _INDEPENDENT_DIMS:
         inputs: list[Placement] = [Shard(dim)] * num_attention_tensors
         if mask is not None:
             inputs.append(_shard_unless_broadcast(mask, dim))
@@ -82,7 +82,7 @@ def sdpa_flash_for_cpu_strategy(
         out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)
         assert out.placements == q.placements
     """
-    return _attention_strategies(2, 3, attn_mask, query, key)
+    return _attention_strategies(2, 3, attn_mask)
 
 
 @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
@@ -106,7 +106,7 @@ def sdpa_flash_for_cpu_backward_strategy(
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, logsumexp, 0.0, True)
     """
-    return _attention_strategies(3, 6, attn_mask, query, key)
+    return _attention_strategies(3, 6, attn_mask)
 
 
 @register_sharding(aten._scaled_dot_product_attention_math.default)
@@ -132,4 +132,58 @@ def sdpa_math_strategy(
     if dropout_mask is not None:
         # A dropout mask drawn for the full tensor cannot be split consistently here.
         return [([Replicate()] * 2, [Replicate()] * (4 if attn_mask is None else 5))]
-    return _attention_strategies(2, 3, attn_mask, query, key)
+    return _attention_strategies(2, 3, attn_mask)
+
+
+# (op, position of query among its arguments); key follows query.
+_QUERY_POSITIONS = (
+    (aten._scaled_dot_product_flash_attention_for_cpu.default, 0),
+    (aten._scaled_dot_product_flash_attention_for_cpu_backward.default, 1),
+    (aten._scaled_dot_product_attention_math.default, 0),
+)
+
+
+def _head_chunks(spec: Any) -> int:
+    """Into how many chunks the mesh cuts ``spec``'s head dim (1)."""
+    chunks = 1
+    for mesh_dim, placement in enumerate(spec.placements):
+        if isinstance(placement, Shard) and placement.dim == 1:
+            chunks *= spec.mesh.size(mesh_dim)
+    return chunks
+
+
+def pairing_query_groups(strategy: Callable[[Any], Any], query_position: int) -> Callable[[Any], Any]:
+    """``strategy`` without the full-mesh strategies whose head chunks split a key/value group.
+
+    Example::
+
+        paired = pairing_query_groups(_compat.dtensor_op_strategy(op), query_position=0)
+        _compat.set_dtensor_op_strategy(op, paired)
+    """
+
+    def filtered(op_schema: Any) -> Any:
+        expanded = strategy(op_schema)
+        query, key = (op_schema.args_schema[query_position + i].strategies[0].output_spec for i in (0, 1))
+        query_heads, key_heads = query.shape[1], key.shape[1]
+        if query_heads == key_heads:
+            return expanded
+        expanded.strategies = [
+            op_spec
+            for op_spec in expanded.strategies
+            if key_heads % _head_chunks(op_spec.input_specs[query_position + 1]) == 0
+        ]
+        return expanded
+
+    filtered.vescale_unfiltered_strategy = strategy  # type: ignore[attr-defined]
+    return filtered
+
+
+def _install() -> None:
+    for op, query_position in _QUERY_POSITIONS:
+        registered = _compat.dtensor_op_strategy(op)
+        # Idempotent: a re-imported module filters register_sharding's function, not its own wrapper.
+        unfiltered = getattr(registered, "vescale_unfiltered_strategy", registered)
+        _compat.set_dtensor_op_strategy(op, pairing_query_groups(unfiltered, query_position))
+
+
+_install()

@@ -11,7 +11,7 @@ in its own run on the same ``--dp`` gloo ranks, one thread per rank, from the sa
 
 * PyTorch DDP (``DistributedDataParallel``, its defaults: 25 MB buckets) vs ours at ZeRO-0;
 * PyTorch FSDP2 (``fully_shard`` per block and the root) vs ours at ZeRO-3;
-* ours at ZeRO-1 and 2, and deterministic mode at ZeRO-0 and 2 (vs the default mode).
+* ours at ZeRO-1 and 2, and deterministic mode at ZeRO-0 to 3 (vs the default mode).
 
 Step time is fwd + bwd + optimizer step + ``zero_grad``, each step bracketed by barriers:
 the slowest rank's time, median of ``--steps`` steps after one warm-up step. ``--repeats R``
@@ -24,9 +24,10 @@ Memory per rank, as tensor bytes this rank holds (unique storages): parameters (
 shards; fp32 masters that are views count once), gradients right after backward (``.grad``
 of parameters and masters, and our bucket buffers and ZeRO-2 chunks; PyTorch DDP's own
 buckets are internal and not counted, its peak below includes them), optimizer state after
-the step. Peak resident growth (``PeakResident``) is over the resident size after set-up
-(model, wrappers, optimizer built; no state yet), through the warm-up and timed steps: it
-counts optimizer state, gradients, activations, communication buffers and temporaries. The
+the step. Peak resident growth (``PeakResident``) is over the resident size once the plain
+model is built, through wrapping, the warm-up and the timed steps: it counts the wrappers'
+buffers (allocated up front or lazily), optimizer state, gradients, activations, communication
+buffers and temporaries (and less for FSDP2/ZeRO-3, which free the unsharded parameters). The
 worst rank is reported. A second table divides each of ours by the single-device size (fp32
 parameters, gradients, AdamW's two moments) and gives the excess over the ZeRO target (1/dp
 of the state from stage 1, of the gradients from stage 2, of the parameters at stage 3) in
@@ -54,10 +55,12 @@ VARIANTS = (
     "ours ZeRO-0",
     "ours ZeRO-0 deterministic",
     "ours ZeRO-1",
+    "ours ZeRO-1 deterministic",
     "ours ZeRO-2",
     "ours ZeRO-2 deterministic",
     "torch FSDP2",
     "ours ZeRO-3",
+    "ours ZeRO-3 deterministic",
 )
 MiB = 2**20
 
@@ -131,12 +134,14 @@ def benchmark_rank(
 ) -> dict:
     torch.manual_seed(0)
     model = WideMLP(width, layers)
-    wrapped, optimizer = _wrap(variant, model, bucket_size_mb)
     inputs = torch.randn(rows, width, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
-    masters = [param for group in optimizer.param_groups for param in group["params"]]
-    param_bytes = _unique_bytes([*model.parameters(), *masters])
     times, grad_bytes = [], 0
+    # From before wrapping: buffers a wrapper allocates up front (DDP's and ZeRO-0/1's gradient
+    # buckets) count like those allocated during the steps (ZeRO-2's, lazily).
     with PeakResident() as peak:
+        wrapped, optimizer = _wrap(variant, model, bucket_size_mb)
+        masters = [param for group in optimizer.param_groups for param in group["params"]]
+        param_bytes = _unique_bytes([*model.parameters(), *masters])
         for step in range(1 + steps):
             dist.barrier()
             start = time.perf_counter()
@@ -181,8 +186,8 @@ def _print_time_and_memory(measured: dict[str, dict], repeats: int) -> None:
     pairs = [
         ("ours ZeRO-0", "torch DDP"),
         ("ours ZeRO-3", "torch FSDP2"),
-        ("ours ZeRO-0 deterministic", "ours ZeRO-0"),
-        ("ours ZeRO-2 deterministic", "ours ZeRO-2"),
+        ("ours ZeRO-2", "ours ZeRO-1"),
+        *((f"ours ZeRO-{stage} deterministic", f"ours ZeRO-{stage}") for stage in range(4)),
     ]
     print(
         "\n| ours | against | time ratio (goal <= 1.05), median of per-repeat ratios (min-max) | "

@@ -6,7 +6,9 @@ What a parameter-keyed checkpoint does with the view, done by hand on dp=2: read
 since building the view only moves bytes), then write every parameter's full state and the
 group hyper-parameters into the view of a fresh optimizer under another stage and bucket
 size: its ``state_dict()`` must then equal the saved one bitwise, and the hyper-parameter
-must reach the optimizer's own group (where LR schedulers and ``step`` read it).
+must reach the optimizer's own group (where LR schedulers and ``step`` read it). The model has
+a 0-dim parameter (``gain``), whose ``exp_avg`` is as 0-dim as AdamW's ``step``: loaded, it must
+still be stepped as element-wise state (one more step on the reloaded optimizer).
 """
 
 from __future__ import annotations
@@ -23,9 +25,26 @@ from vescale.dtensor.testing import run_on_ranks
 BUCKET_MB = 400 / 2**20
 
 
+class ScaledMLP(torch.nn.Sequential):
+    """An MLP whose output is scaled by a 0-dim parameter."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+        self.gain = torch.nn.Parameter(torch.tensor(0.9))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return super().forward(inputs) * self.gain
+
+
 def build_mlp() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+    return ScaledMLP()
+
+
+def _train_step(model: torch.nn.Module, optimizer: DistributedOptimizer, generator: torch.Generator) -> None:
+    optimizer.zero_grad()
+    model(torch.randn(3, 8, generator=generator)).square().mean().backward()
+    optimizer.step()
 
 
 def _trained(zero_stage: int) -> tuple[torch.nn.Module, DistributedOptimizer]:
@@ -34,9 +53,7 @@ def _trained(zero_stage: int) -> tuple[torch.nn.Module, DistributedOptimizer]:
     optimizer = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     generator = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(2):
-        optimizer.zero_grad()
-        model(torch.randn(3, 8, generator=generator)).square().mean().backward()
-        optimizer.step()
+        _train_step(model, optimizer, generator)
     return model, optimizer
 
 
@@ -61,11 +78,14 @@ def view_round_trip(save_stage: int, load_stage: int) -> dict:
     for name, param_state in full_state.items():
         other_view.state[params[name]] = param_state
     other_view.param_groups[0].update({"lr": 5e-3})
+    reloaded_state = reloaded.state_dict()
+    _train_step(other, reloaded, torch.Generator().manual_seed(dist.get_rank()))
     return {
         "saved": saved,
         "full_state": full_state,
         "layouts": layouts,
-        "reloaded": reloaded.state_dict(),
+        "reloaded": reloaded_state,
+        "gain_exp_avg_shape": tuple(reloaded.state_dict()["state"]["gain"]["exp_avg"].shape),
         "lr": reloaded.param_groups[0]["lr"],
     }
 
@@ -80,3 +100,4 @@ def test_checkpoint_view_is_dp_sharded_and_writes_through(save_stage, load_stage
                 assert torch.equal(result["full_state"][fqn][name], value), (fqn, name)
                 assert torch.equal(result["reloaded"]["state"][fqn][name], value), (fqn, name)
         assert result["lr"] == 5e-3
+        assert result["gain_exp_avg_shape"] == ()

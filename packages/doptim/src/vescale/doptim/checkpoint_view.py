@@ -9,12 +9,14 @@ state as a DTensor on the model's mesh: laid out like the parameter on every oth
 and ``Shard(dim)`` over dp on a tensor dim no other mesh dim shards (``Replicate`` over dp when
 every dim is taken), so each rank holds 1/dp of the state and the checkpoint reshards it into
 any dp size and ZeRO stage. Building the view gathers the state one bucket at a time
-(collective; one bucket of scratch memory).
+(collective; one bucket of scratch memory). Separate fp32 master weights (a bf16 model under
+stages 0-2) are in the state as ``"master_weight"``, dp-sharded like the rest.
 
 Writing into the view loads: ``view.state[param] = {...}`` (tensors laid out like the parameter,
-or global) stores this rank's range into the optimizer's state, and ``group.update(...)`` on a
-view group updates the optimizer's group. Under ZeRO-3 the optimizer keys its state by the
-model's (FSDP2) parameters already, and the view is that optimizer's own groups and state.
+or global) stores this rank's range into the optimizer's state and its ``"master_weight"`` into
+the weights (:func:`~vescale.doptim.state_dict.install_param_state`), and ``group.update(...)``
+on a view group updates the optimizer's group. Under ZeRO-3 the optimizer keys its state by
+the model's (FSDP2) parameters already, and the view holds that optimizer's own groups and state.
 
 Example::
 
@@ -31,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 
 from vescale.doptim.ddp import DDP
-from vescale.doptim.state_dict import local_states, master_part
+from vescale.doptim.state_dict import install_param_state, local_states
 from vescale.doptim.zero import ParamShard
 
 if TYPE_CHECKING:
@@ -100,21 +102,19 @@ class _GroupView(dict):
 
 
 class _StateView(dict):
-    """``{model parameter: state}``; assigning a parameter's state stores this rank's range of it."""
+    """``{model parameter: state}``; assigning a parameter's state stores this rank's part of it (and
+    its ``MASTER_WEIGHT`` into the weights)."""
 
     def __init__(self, optimizer: DistributedOptimizer) -> None:
         super().__init__()
         self.optimizer = optimizer
+        self.fqn_of = {id(param): fqn for fqn, param in optimizer.owner.module.named_parameters()}
 
     def __setitem__(self, param: torch.Tensor, param_state: dict[str, Any]) -> None:
         super().__setitem__(param, param_state)
-        shard = self.optimizer.shards[id(param)]
-        self.optimizer.state[shard.master] = {
-            name: master_part(shard, shard.fqn, value)
-            if isinstance(value, torch.Tensor) and value.dim() >= 1
-            else (value.clone() if torch.is_tensor(value) else value)
-            for name, value in param_state.items()
-        }
+        shard = self.optimizer.shards.get(id(param))
+        master = param if shard is None else shard.master
+        install_param_state(self.optimizer, self.fqn_of[id(param)], master, param_state)
 
 
 class OptimizerCheckpointView(Optimizer):
@@ -133,8 +133,12 @@ class OptimizerCheckpointView(Optimizer):
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
         if not isinstance(optimizer.owner, DDP):
+            # ZeRO-3 keys its state by the model's parameters already; writes still go through
+            # install_param_state, which takes a saved MASTER_WEIGHT into the (fp32) parameters.
             self.param_groups = optimizer.param_groups
-            self.state = optimizer.state
+            self.state = _StateView(optimizer)
+            for param, param_state in optimizer.state.items():
+                dict.__setitem__(self.state, param, param_state)
             return
         ddp: DDP = optimizer.owner
         param_of = {id(shard.master): shard.param for shard in optimizer.shards.values()}

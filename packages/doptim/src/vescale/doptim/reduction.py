@@ -99,7 +99,7 @@ class BucketReduction:
     group: Any
     result: str
     deterministic: bool
-    work: Any
+    work: Any | None
     received: torch.Tensor | None
     grad_chunk: torch.Tensor | None
     done: bool = False
@@ -117,6 +117,9 @@ class BucketReduction:
             return
         self.done = True
         self.work.wait()
+        # The work object holds the collective's input and output tensors: a ZeRO-2 bucket's full
+        # buffer would outlive its release until backward ends (every bucket's at once, the peak).
+        self.work = None
         dp_size = self.bucket.dp_size
         if not self.deterministic:
             averaged = self.bucket.grad_buffer if self.result == "all_reduce" else self.grad_chunk

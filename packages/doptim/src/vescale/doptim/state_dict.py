@@ -6,6 +6,12 @@ every rank's part of the global tensors without communication. A state saved und
 size or ZeRO stage therefore loads under any other. Per-parameter scalars (Adam's ``step``)
 are kept as they are.
 
+Under mixed precision (stages 0-2 over a bf16 model) the fp32 master weights are state too:
+each parameter's entry holds ``"master_weight"`` (fp32, the parameter's global shape) next to
+``exp_avg``, so a bf16 run resumes bitwise. Loading it sets the masters (or, where the masters
+are the parameters themselves, the parameters); loading a state without it rebuilds separate
+masters from the parameters, which must therefore be loaded first.
+
 Example::
 
     saved = optimizer.state_dict()          # {"state": {"0.weight": {"exp_avg": ...}}, "param_groups": [...]}
@@ -29,7 +35,17 @@ from vescale.doptim.zero import ParamShard
 if TYPE_CHECKING:
     from vescale.doptim.optimizer import DistributedOptimizer
 
-__all__ = ["load_optimizer_state", "local_states", "master_part", "optimizer_state"]
+__all__ = [
+    "MASTER_WEIGHT",
+    "install_param_state",
+    "load_optimizer_state",
+    "local_states",
+    "master_part",
+    "optimizer_state",
+]
+
+# The state entry holding a parameter's fp32 master weight when it is not the parameter itself.
+MASTER_WEIGHT = "master_weight"
 
 
 def _is_elementwise(value: Any, master: torch.Tensor) -> bool:
@@ -61,7 +77,7 @@ def local_states(optimizer: DistributedOptimizer) -> Iterator[tuple[ParamShard, 
 
     An element-wise state tensor (``elementwise=True``) comes whole: shaped like the parameter's
     local tensor, a view into its bucket's gathered state; other values (Adam's ``step``) as this
-    rank holds them.
+    rank holds them. Separate master weights come as the element-wise state ``MASTER_WEIGHT``.
 
     Example::
 
@@ -72,9 +88,20 @@ def local_states(optimizer: DistributedOptimizer) -> Iterator[tuple[ParamShard, 
     for bucket in ddp.buckets:
         shards = [optimizer.shards[id(slot.param)] for slot in bucket.slots]
         names = sorted({name for shard in shards for name in optimizer.state.get(shard.master, {})})
+        if MASTER_WEIGHT in names:
+            raise DataParallelConfigError(
+                f"the optimizer keeps a state named {MASTER_WEIGHT!r} (for {shards[0].fqn!r}), the name "
+                "DistributedOptimizer saves its fp32 master weights under; rename that optimizer state"
+            )
+        # A bucket holds one parameter dtype, so its masters are all views or all separate copies.
+        if not shards[0].master_is_view:
+            names.append(MASTER_WEIGHT)
         chunk_start = bucket.chunk_range(ddp.dp_rank)[0]
         for name in names:
-            values = [optimizer.state.get(shard.master, {}).get(name) for shard in shards]
+            if name == MASTER_WEIGHT:
+                values = [shard.master for shard in shards]
+            else:
+                values = [optimizer.state.get(shard.master, {}).get(name) for shard in shards]
             if not any(
                 _is_elementwise(value, shard.master) for value, shard in zip(values, shards, strict=True)
             ):
@@ -83,18 +110,20 @@ def local_states(optimizer: DistributedOptimizer) -> Iterator[tuple[ParamShard, 
                         yield shard, name, value, False
                 continue
             dtype = next(v.dtype for v, s in zip(values, shards, strict=True) if _is_elementwise(v, s.master))
+            # A parameter the optimizer never stepped (no rank used it) has no state to gather or yield.
+            stepped = [(shard, v) for shard, v in zip(shards, values, strict=True) if v is not None]
             if ddp.zero_stage == 0:
                 flat_state = torch.zeros(bucket.padded_numel, dtype=dtype)
-                for shard, value in zip(shards, values, strict=True):
+                for shard, value in stepped:
                     flat_state[shard.slot.offset : shard.slot.offset + shard.slot.numel].copy_(value)
             else:
                 chunk = torch.zeros(bucket.chunk_numel, dtype=dtype)
-                for shard, value in zip(shards, values, strict=True):
+                for shard, value in stepped:
                     begin = shard.slot.offset + shard.start - chunk_start
                     chunk[begin : begin + shard.end - shard.start].copy_(value)
                 flat_state = torch.empty(bucket.padded_numel, dtype=dtype)
                 all_gather_flat(flat_state, chunk, group=ddp.dp_group)
-            for shard in shards:
+            for shard, _ in stepped:
                 local = flat_state[shard.slot.offset : shard.slot.offset + shard.slot.numel]
                 yield shard, name, local.view(shard.slot.local_shape), True
 
@@ -139,24 +168,20 @@ def optimizer_state(optimizer: DistributedOptimizer) -> dict[str, Any]:
     return {"state": state, "param_groups": param_groups}
 
 
+def _shard_of(optimizer: DistributedOptimizer, master: torch.Tensor) -> ParamShard:
+    return next(shard for shard in optimizer.shards.values() if shard.master is master)
+
+
 def _local_part(
     optimizer: DistributedOptimizer, fqn: str, master: torch.Tensor, value: torch.Tensor
 ) -> torch.Tensor:
     if not isinstance(optimizer.owner, DDP):
         return distribute_tensor(value, master.device_mesh, master.placements, src_data_rank=None)
-    shard = next(shard for shard in optimizer.shards.values() if shard.master is master)
-    return master_part(shard, fqn, value)
+    return master_part(_shard_of(optimizer, master), fqn, value)
 
 
-def master_part(shard: ParamShard, fqn: str, value: torch.Tensor) -> torch.Tensor:
-    """This rank's range (``shard.master``'s elements) of a state tensor shaped like the parameter:
-    a global tensor, or a DTensor laid out like the parameter.
-
-    Example::
-
-        optimizer.state[shard.master]["exp_avg"] = master_part(shard, "fc.weight", global_exp_avg)
-    """
-    param = shard.param
+def _param_local(param: torch.Tensor, fqn: str, value: torch.Tensor) -> torch.Tensor:
+    """The parameter's local tensor's worth of ``value`` (global, or a DTensor of any layout)."""
     local = value
     if isinstance(value, DTensor):
         local = value.redistribute(param.device_mesh, param.placements).to_local()
@@ -167,7 +192,72 @@ def master_part(shard: ParamShard, fqn: str, value: torch.Tensor) -> torch.Tenso
             f"optimizer state of {fqn!r} has shape {tuple(value.shape)}; "
             f"the parameter's is {tuple(param.shape)}"
         )
+    return local
+
+
+def master_part(shard: ParamShard, fqn: str, value: torch.Tensor) -> torch.Tensor:
+    """This rank's range (``shard.master``'s elements) of a state tensor shaped like the parameter:
+    a global tensor, or a DTensor laid out like the parameter.
+
+    Example::
+
+        optimizer.state[shard.master]["exp_avg"] = master_part(shard, "fc.weight", global_exp_avg)
+    """
+    local = _param_local(shard.param, fqn, value)
     return local.reshape(-1)[shard.start : shard.end].to(shard.master.dtype).clone()
+
+
+@torch.no_grad()
+def _load_weights(
+    optimizer: DistributedOptimizer, fqn: str, master: torch.Tensor, master_weight: torch.Tensor | None
+) -> None:
+    if not isinstance(optimizer.owner, DDP):
+        # ZeRO-3: the fp32 parameter shards are the master weights.
+        if master_weight is not None:
+            local_tensor(master).copy_(_param_local(master, fqn, master_weight).view_as(local_tensor(master)))
+        return
+    shard = _shard_of(optimizer, master)
+    if shard.master_is_view:
+        if master_weight is not None:
+            # The whole local tensor, not this rank's range: dp ranks must keep identical parameters.
+            param_local = local_tensor(shard.param)
+            param_local.copy_(_param_local(shard.param, fqn, master_weight).view_as(param_local))
+        return
+    if master_weight is None:
+        # A state saved without masters (an fp32 run's): the loaded parameters are the weights.
+        master_weight = local_tensor(shard.param).detach()
+    shard.master.copy_(master_part(shard, fqn, master_weight))
+
+
+def install_param_state(
+    optimizer: DistributedOptimizer, fqn: str, master: torch.Tensor, param_state: dict[str, Any]
+) -> None:
+    """Store one parameter's saved state (global tensors, or DTensors of the parameter's global shape)
+    as this rank's part of the state of ``master``; its ``MASTER_WEIGHT`` sets the weights, and
+    without one, separate masters are rebuilt from the parameter (load the model first).
+
+    Example::
+
+        install_param_state(optimizer, "fc.weight", shard.master, {"exp_avg": exp_avg, "step": step})
+    """
+    _load_weights(optimizer, fqn, master, param_state.get(MASTER_WEIGHT))
+    param = master if not isinstance(optimizer.owner, DDP) else _shard_of(optimizer, master).param
+    optimizer.state[master] = {
+        name: _local_part(optimizer, fqn, master, value)
+        if _is_param_shaped(name, value, param)
+        else (value.clone() if torch.is_tensor(value) else value)
+        for name, value in param_state.items()
+        if name != MASTER_WEIGHT
+    }
+
+
+def _is_param_shaped(name: str, value: Any, param: torch.Tensor) -> bool:
+    """Whether a saved state value is element-wise (one element per parameter element). A scalar
+    parameter's ``exp_avg`` is as 0-dim as Adam's ``step``, which torch's optimizers, like this,
+    tell apart by its name."""
+    if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+        return False
+    return value.dim() >= 1 or name != "step"
 
 
 def load_optimizer_state(optimizer: DistributedOptimizer, state_dict: dict[str, Any]) -> None:
@@ -192,11 +282,14 @@ def load_optimizer_state(optimizer: DistributedOptimizer, state_dict: dict[str, 
             missing = sorted(set(fqns) ^ set(saved["params"]))
             raise DataParallelConfigError(f"parameter groups differ from the saved ones at {missing[:3]}")
         group.update({key: value for key, value in saved.items() if key != "params"})
-    for fqn, saved_state in state_dict["state"].items():
-        master = masters[fqn]
-        optimizer.state[master] = {
-            name: _local_part(optimizer, fqn, master, value)
-            if isinstance(value, torch.Tensor) and value.dim() >= 1
-            else (value.clone() if torch.is_tensor(value) else value)
-            for name, value in saved_state.items()
-        }
+    unknown = sorted(set(state_dict["state"]) - set(masters))
+    if unknown:
+        raise DataParallelConfigError(
+            f"the state holds parameters the model does not have: {unknown[:3]}; load it into the model "
+            "it was saved from"
+        )
+    for fqn, master in masters.items():
+        if fqn in state_dict["state"]:
+            install_param_state(optimizer, fqn, master, state_dict["state"][fqn])
+        else:
+            _load_weights(optimizer, fqn, master, None)

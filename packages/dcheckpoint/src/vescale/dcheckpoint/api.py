@@ -66,7 +66,8 @@ def save(
 ) -> SaveResult | AsyncSave:
     """Save ``state`` to the new checkpoint directory ``path``, atomically, from every rank.
 
-    Every rank calls it with the same structure of state. The parent directory gets a
+    Every rank calls it; ranks may hold different tensors (pipeline stages), each name with one
+    global shape and dtype, and each box is written once. The parent directory gets a
     ``latest`` pointer; ``keep_last=k`` deletes all but the k newest checkpoints there.
     With ``async_save=True`` it returns an :class:`AsyncSave` once this rank's tensors are
     copied; later changes to the state do not reach the checkpoint.
@@ -157,6 +158,7 @@ def _load(path: Path, state: dict[str, Any], strict: bool) -> LoadResult:
     directory = atomic.resolve_checkpoint(path)
     index = read_index(directory)
     restore = plan_restore(state, index, strict)
+    restore.check_keys(strict)
     stats = read_targets(directory, index, restore.targets)
     restore.apply()
     if restore.restore_rng:

@@ -10,7 +10,7 @@ Example::
 
     tensors = {}
     encoded = encode_optimizer(optimizer, model, tensors)   # tensors["optimizer/state/fc.weight/exp_avg"]
-    restore = OptimizerRestore(optimizer, model, encoded, saved_tensors, strict=True)
+    restore = OptimizerRestore(optimizer, model, encoded, saved_tensors)
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from vescale.dcheckpoint.errors import CheckpointFormatError, CheckpointMismatchError
+from vescale.dcheckpoint.errors import CheckpointFormatError
 from vescale.dcheckpoint.objects import decode_object, encode_object
 
-__all__ = ["OptimizerRestore", "encode_optimizer"]
+__all__ = ["OptimizerRestore", "encode_optimizer", "merge_optimizer_encodings"]
 
 
 def _param_fqns(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[list[str]]:
@@ -71,6 +71,29 @@ def encode_optimizer(
     return {"param_groups": groups, "state": state}
 
 
+def merge_optimizer_encodings(first: Any, second: Any) -> Any:
+    """One encoding of two ranks' optimizers over different parameters (pipeline stages).
+
+    Group ``i`` holds the parameters of both ranks' group ``i`` (``first``'s first) with
+    ``first``'s hyper-parameters; the per-FQN state is the union.
+
+    Example::
+
+        merged = merge_optimizer_encodings(stage0_encoded, stage1_encoded)
+        merged["param_groups"][0]["params"]   # stage 0's FQNs, then stage 1's
+    """
+    if not isinstance(first, dict) or not isinstance(second, dict):
+        raise CheckpointFormatError("an optimizer entry to merge is not a mapping")
+    groups = [dict(group) for group in first.get("param_groups", [])]
+    for index, group in enumerate(second.get("param_groups", [])):
+        if index >= len(groups):
+            groups.append(dict(group))
+            continue
+        known = set(groups[index]["params"])
+        groups[index]["params"] = groups[index]["params"] + [p for p in group["params"] if p not in known]
+    return {"param_groups": groups, "state": {**second.get("state", {}), **first.get("state", {})}}
+
+
 def _names(fqns: set[str] | list[str]) -> str:
     fqns = sorted(fqns)
     return ", ".join(repr(fqn) for fqn in fqns[:5]) + (f" and {len(fqns) - 5} more" if len(fqns) > 5 else "")
@@ -85,7 +108,6 @@ class OptimizerRestore:
         model: nn.Module,
         encoded: Any,
         saved_tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-        strict: bool,
         key: str = "optimizer",
     ) -> None:
         if not isinstance(encoded, dict) or not isinstance(encoded.get("param_groups"), list):
@@ -99,19 +121,21 @@ class OptimizerRestore:
         saved = {
             fqn for fqns in saved_groups if isinstance(fqns, list) for fqn in fqns if isinstance(fqn, str)
         }
-        if strict and current != saved:
-            raise CheckpointMismatchError(
-                "optimizer parameters differ from the checkpoint's: missing "
-                f"{_names(current - saved) or 'none'}; unexpected {_names(saved - current) or 'none'}. "
-                "Build the optimizer over the same parameters, or pass strict=False to load the common ones"
-            )
-        self.groups_match = saved_groups == self.current_groups
-        if strict and not self.groups_match:
-            raise CheckpointMismatchError(
-                "optimizer param groups hold the parameters in another grouping or order than the "
-                f"checkpoint's ({len(saved_groups)} saved groups, {len(self.current_groups)} now); build the "
-                "same groups"
-            )
+        # Per-FQN coverage is checked over all ranks together (StateRestore.check_keys): a pipeline
+        # stage's optimizer holds only its own parameters.
+        self.used, self.missing, self.saved = current & saved, current - saved, saved
+        # Each group holds a subset of the saved group of the same index (all of it on one rank,
+        # its stage's part under a pipeline); then the saved hyper-parameters apply to it.
+        self.groups_match = len(saved_groups) == len(self.current_groups) and all(
+            isinstance(saved_fqns, list) and set(fqns) <= set(saved_fqns)
+            for fqns, saved_fqns in zip(self.current_groups, saved_groups, strict=False)
+        )
+        self.grouping_problem = (
+            None
+            if self.groups_match
+            else "optimizer param groups hold the parameters in another grouping than the checkpoint's "
+            f"({len(saved_groups)} saved groups, {len(self.current_groups)} now); build the same groups"
+        )
         params = {fqn: param for fqn, param in model.named_parameters()}
         self.targets: dict[str, torch.Tensor] = {}
         for name, (shape, dtype) in saved_tensors.items():

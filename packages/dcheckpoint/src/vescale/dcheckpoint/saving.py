@@ -2,8 +2,9 @@
 
 Staging does everything that reads the live state: flatten it, plan who writes what, and
 take this rank's pieces (copies for an async save, so that later training steps cannot
-change them). Writing and committing only touch the staged pieces and files: the ranks check
-that they hold the same structure (the plan assumed it), rank 0 prepares the directory, each
+change them). Planning agrees with the other ranks on the tensors each holds (:mod:`rank_sets`: one digest
+exchange, or the union of per-rank sets such as pipeline stages'). Writing and committing only
+touch the staged pieces and files: rank 0 prepares the directory, each
 rank writes and fsyncs its shard, the ranks exchange their file records, rank 0 writes the
 index last and commits, and every rank learns the outcome, so a failure on any rank fails
 the save on all of them.
@@ -16,7 +17,6 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -29,12 +29,12 @@ from torch.distributed.tensor import DTensor
 
 from vescale.dcheckpoint import atomic
 from vescale.dcheckpoint._collectives import all_gather_bytes, rank_and_world_size
-from vescale.dcheckpoint.errors import CheckpointError, CheckpointMismatchError
+from vescale.dcheckpoint.errors import CheckpointError
 from vescale.dcheckpoint.index import INDEX_NAME, chunk_key, encode_index, shard_file_name
 from vescale.dcheckpoint.layout import TensorLayout
+from vescale.dcheckpoint.rank_sets import agree_layouts, describe_layouts, plan_union_chunks
 from vescale.dcheckpoint.rng import RNGState
-from vescale.dcheckpoint.safetensors_format import dtype_name
-from vescale.dcheckpoint.state import RNG, flatten_state
+from vescale.dcheckpoint.state import RNG, flatten_state, merge_objects
 from vescale.dcheckpoint.writer import (
     PlannedChunk,
     plan_chunks,
@@ -64,33 +64,31 @@ class StagedSave:
     plan: list[PlannedChunk]
     mine: list[PlannedChunk]
     pieces: list[torch.Tensor]
-    layouts: dict[str, TensorLayout]
-    dtypes: dict[str, torch.dtype]
+    entries: dict[str, dict[str, Any]]
     objects: dict[str, Any]
+    merge_objects: bool
     rng: dict[str, Any] | None
     keep_last: int | None
 
 
-def _check_same_structure(staged: StagedSave, group: dist.ProcessGroup | None) -> None:
-    layouts, dtypes, rank = staged.layouts, staged.dtypes, staged.rank
-    description = [
-        [
-            name,
-            list(lay.shape),
-            dtype_name(dtypes[name]),
-            list(lay.mesh_shape),
-            list(lay.mesh_ranks),
-            list(lay.placements),
-        ]
-        for name, lay in layouts.items()
-    ]
-    digests = all_gather_bytes(hashlib.sha256(json.dumps(description).encode()).digest(), group)
-    differing = [other for other, theirs in enumerate(digests) if theirs != digests[0]]
-    if differing:
-        raise CheckpointMismatchError(
-            f"rank {differing[0]} holds tensors with other names, shapes, dtypes or layouts than rank 0 "
-            f"(this is rank {rank}); every rank must save the same state structure"
-        )
+def _plan_save(
+    layouts: dict[str, TensorLayout], dtypes: dict[str, torch.dtype], plain: frozenset[str]
+) -> tuple[list[PlannedChunk], dict[str, dict[str, Any]], bool]:
+    """The chunks every rank writes, each tensor's index entry (without chunks), and whether the
+    ranks hold different tensors (then their JSON state is merged too). Collective."""
+    description = describe_layouts(layouts, dtypes, plain)
+    union = agree_layouts(description)
+    if union is None:
+        return plan_chunks(layouts, dtypes), _entries(description), False
+    return plan_union_chunks(union), _entries({name: held[0][0] for name, held in union.items()}), True
+
+
+def _entries(description: dict[str, list]) -> dict[str, dict[str, Any]]:
+    # The layout a tensor was saved from is informational: loads reshard from the chunks.
+    return {
+        name: {"shape": shape, "dtype": dtype, "mesh_shape": mesh_shape, "placements": placements}
+        for name, (shape, dtype, mesh_shape, _, placements, _) in description.items()
+    }
 
 
 def stage_save(final: Path, state: dict[str, Any], keep_last: int | None, copy: bool) -> StagedSave:
@@ -110,13 +108,14 @@ def stage_save(final: Path, state: dict[str, Any], keep_last: int | None, copy: 
         for name, tensor in tensors.items()
     }
     dtypes = {name: tensor.dtype for name, tensor in tensors.items()}
-    plan = plan_chunks(layouts, dtypes)
+    plain = frozenset(name for name, tensor in tensors.items() if not isinstance(tensor, DTensor))
+    plan, entries, per_rank = _plan_save(layouts, dtypes, plain)
     mine = [chunk for chunk in plan if chunk.writer_rank == rank]
     pieces = stage_pieces(mine, locals_by_name, layouts, rank, copy=copy)
     rng = RNGState.capture() if any(entry["kind"] == RNG for entry in objects.values()) else None
     # JSON now, so that later changes to the live objects cannot reach an async save.
     objects = json.loads(json.dumps(objects))
-    return StagedSave(final, rank, world_size, plan, mine, pieces, layouts, dtypes, objects, rng, keep_last)
+    return StagedSave(final, rank, world_size, plan, mine, pieces, entries, objects, per_rank, rng, keep_last)
 
 
 def prepare_staging(state: dict[str, Any]) -> int:
@@ -134,13 +133,15 @@ def prepare_staging(state: dict[str, Any]) -> int:
         )
         for name, tensor in tensors.items()
     }
-    plan = plan_chunks(layouts, {name: tensor.dtype for name, tensor in tensors.items()})
+    dtypes = {name: tensor.dtype for name, tensor in tensors.items()}
+    plain = frozenset(name for name, tensor in tensors.items() if not isinstance(tensor, DTensor))
+    plan, _, _ = _plan_save(layouts, dtypes, plain)
     return reserve_staging([chunk for chunk in plan if chunk.writer_rank == rank])
 
 
 def _index_body(staged: StagedSave, payloads: list[dict]) -> dict[str, Any]:
     boxes = {chunk_key(chunk.name, chunk.box): chunk.box for chunk in staged.plan}
-    files, chunks_by_name = [], {name: [] for name in staged.layouts}
+    files, chunks_by_name = [], {name: [] for name in staged.entries}
     for payload in payloads:
         record = payload["file"]
         if record is None:
@@ -159,23 +160,17 @@ def _index_body(staged: StagedSave, payloads: list[dict]) -> dict[str, Any]:
                     "crc32": crc,
                 }
             )
-    tensors = {
-        name: {
-            "shape": list(layout.shape),
-            "dtype": dtype_name(staged.dtypes[name]),
-            "mesh_shape": list(layout.mesh_shape),
-            "placements": list(layout.placements),
-            "chunks": chunks_by_name[name],
-        }
-        for name, layout in staged.layouts.items()
-    }
+    tensors = {name: {**entry, "chunks": chunks_by_name[name]} for name, entry in staged.entries.items()}
+    objects = staged.objects
+    if staged.merge_objects:
+        objects = merge_objects([payload["objects"] for payload in payloads])
     rng_states = [payload["rng"] for payload in payloads]
     return {
         "world_size": len(payloads),
         "created_ns": time.time_ns(),
         "files": files,
         "tensors": tensors,
-        "objects": staged.objects,
+        "objects": objects,
         "rng": rng_states if any(state is not None for state in rng_states) else None,
     }
 
@@ -220,8 +215,6 @@ def write_and_commit(staged: StagedSave, group: dist.ProcessGroup | None = None)
         result = write_and_commit(stage_save(Path("ckpt/step-100"), state, keep_last=None, copy=False))
         result.bytes_written
     """
-    # Checked here rather than while staging, so that an async save does not block on it.
-    _check_same_structure(staged, group)
     _prepare_directory(staged, group)
     record, failure = None, None
     try:
@@ -234,6 +227,9 @@ def write_and_commit(staged: StagedSave, group: dist.ProcessGroup | None = None)
     except (OSError, CheckpointError) as error:
         failure = error
     payload = {"file": record, "rng": staged.rng, "error": None if failure is None else repr(failure)}
+    if staged.merge_objects:
+        # Ranks with different tensors have different JSON state too (pipeline stages' optimizer groups).
+        payload["objects"] = staged.objects
     payloads = [json.loads(raw) for raw in all_gather_bytes(json.dumps(payload).encode(), group)]
     _raise_if_any_failed([p["error"] for p in payloads], failure)
     commit_failure = None

@@ -21,21 +21,19 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from vescale.dcheckpoint._collectives import all_gather_bytes, rank_and_world_size
-from vescale.dcheckpoint.errors import CheckpointMismatchError
+from vescale.dcheckpoint._collectives import rank_and_world_size
 from vescale.dcheckpoint.index import CheckpointIndex
 from vescale.dcheckpoint.layout import Box, TensorLayout
+from vescale.dcheckpoint.rank_sets import agree_layouts, describe_layouts, held_boxes
 from vescale.dcheckpoint.reader import ShardReader
-from vescale.dcheckpoint.safetensors_format import DTYPE_BY_NAME, dtype_name
-from vescale.dcheckpoint.writer import PlannedChunk, assign_boxes, box_holders
+from vescale.dcheckpoint.safetensors_format import DTYPE_BY_NAME
+from vescale.dcheckpoint.writer import PlannedChunk, assign_boxes
 from vescale.dtensor.mesh import device_type_for_backend
 
 __all__ = ["ROUND_BYTES", "SharedReads"]
@@ -44,51 +42,6 @@ __all__ = ["ROUND_BYTES", "SharedReads"]
 # N x ROUND_BYTES receive buffer.
 ROUND_BYTES = 256 << 20
 _ALIGNMENT = 16
-
-
-def _describe(
-    layouts: Mapping[str, TensorLayout], dtypes: Mapping[str, torch.dtype], plain: frozenset[str]
-) -> dict[str, list]:
-    return {
-        name: [
-            list(lay.shape),
-            dtype_name(dtypes[name]),
-            list(lay.mesh_shape),
-            list(lay.mesh_ranks),
-            list(lay.placements),
-            name in plain,
-        ]
-        for name, lay in layouts.items()
-    }
-
-
-def _agree(description: dict[str, list]) -> dict[str, list[list]]:
-    """Every layout any rank loads each tensor in (one digest exchange when the ranks agree).
-
-    A tensor may come in several layouts: DTensors on the submeshes of different groups of
-    ranks (a tensor-parallel parameter, replicated across data-parallel groups).
-    """
-    encoded = json.dumps(description, sort_keys=True).encode()
-    digests = all_gather_bytes(hashlib.sha256(encoded).digest())
-    if all(digest == digests[0] for digest in digests):
-        return {name: [described] for name, described in description.items()}
-    union: dict[str, list[list]] = {}
-    for rank, raw in enumerate(all_gather_bytes(encoded)):
-        for name, described in json.loads(raw).items():
-            if described[5]:
-                # A plain tensor is held by the ranks that have it, not by every rank (pipeline
-                # stages hold different layers' plain parameters).
-                described = [described[0], described[1], [1], [rank], ["R"], True]
-            known = union.setdefault(name, [])
-            if known and known[0][:2] != described[:2]:
-                raise CheckpointMismatchError(
-                    f"{name!r} has shape {described[0]} and dtype {described[1]} on rank {rank} but "
-                    f"{known[0][0]} and {known[0][1]} on another rank; every rank must load a tensor "
-                    "of the same shape and dtype"
-                )
-            if described not in known:
-                known.append(described)
-    return union
 
 
 @dataclass(frozen=True)
@@ -119,18 +72,21 @@ class SharedReads:
         """
         if rank_and_world_size()[1] == 1:
             return cls(rank, (), frozenset())
-        agreed = _agree(_describe(layouts, dtypes, plain))
+        description = describe_layouts(layouts, dtypes, plain)
+        agreed = agree_layouts(description)
+        if agreed is None:
+            every_rank = list(range(rank_and_world_size()[1]))
+            agreed = {name: [(described, every_rank)] for name, described in description.items()}
         boxes = []
-        for name, descriptions in agreed.items():
+        for name, held in agreed.items():
             holders: dict[Box, set[int]] = {}
-            for shape, _, mesh_shape, mesh_ranks, placements, _ in descriptions:
-                layout = TensorLayout(tuple(shape), tuple(mesh_shape), tuple(mesh_ranks), tuple(placements))
-                for box, ranks in box_holders(layout):
+            for described, describers in held:
+                for box, ranks in held_boxes(described, describers):
                     holders.setdefault(box, set()).update(ranks)
             boxes.extend(
                 (name, box, tuple(sorted(ranks))) for box, ranks in holders.items() if len(ranks) > 1
             )
-        agreed_dtypes = {name: DTYPE_BY_NAME[descriptions[0][1]] for name, descriptions in agreed.items()}
+        agreed_dtypes = {name: DTYPE_BY_NAME[held[0][0][1]] for name, held in agreed.items()}
         pieces = tuple(assign_boxes(boxes, agreed_dtypes))
         shared = frozenset((name, box) for name, box, _ in boxes)
         return cls(rank, pieces, shared)

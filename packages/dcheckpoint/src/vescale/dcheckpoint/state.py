@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,13 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from vescale.dcheckpoint._collectives import gather_if_different, rank_and_world_size
 from vescale.dcheckpoint.errors import CheckpointFormatError, CheckpointMismatchError
 from vescale.dcheckpoint.index import CheckpointIndex
 from vescale.dcheckpoint.objects import decode_object, encode_object
-from vescale.dcheckpoint.optimizer_state import OptimizerRestore, encode_optimizer
+from vescale.dcheckpoint.optimizer_state import OptimizerRestore, encode_optimizer, merge_optimizer_encodings
 from vescale.dcheckpoint.rng import RNGState
 
-__all__ = ["StateRestore", "flatten_state", "plan_restore"]
+__all__ = ["StateRestore", "flatten_state", "merge_objects", "plan_restore"]
 
 MODULE, OPTIMIZER, RNG, STATEFUL, VALUE = "module", "optimizer", "rng", "stateful", "value"
 
@@ -85,18 +87,22 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], di
     return tensors, objects
 
 
-@dataclass
-class StateRestore:
-    """Tensors to read (``targets``: name to a live or freshly allocated tensor), then :meth:`apply`."""
+def merge_objects(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON state of ranks that hold different parts of it: optimizers merged, else the first rank's.
 
-    targets: dict[str, torch.Tensor] = field(default_factory=dict)
-    finishers: list[Callable[[], None]] = field(default_factory=list)
-    restore_rng: bool = False
+    Example::
 
-    def apply(self) -> None:
-        """Install what was read into the optimizer, stateful objects and plain values."""
-        for finish in self.finishers:
-            finish()
+        merge_objects([stage0_objects, stage1_objects])["optimizer"]   # both stages' groups and state
+    """
+    merged: dict[str, Any] = {}
+    for objects in per_rank:
+        for key, entry in objects.items():
+            if key not in merged:
+                merged[key] = entry
+            elif entry["kind"] == OPTIMIZER and merged[key]["kind"] == OPTIMIZER:
+                value = merge_optimizer_encodings(merged[key]["value"], entry["value"])
+                merged[key] = {"kind": OPTIMIZER, "value": value}
+    return merged
 
 
 def _names(names: set[str]) -> str:
@@ -105,16 +111,77 @@ def _names(names: set[str]) -> str:
     return shown + (f" and {len(ordered) - 5} more" if len(ordered) > 5 else "")
 
 
-def _restore_module(key: str, module: nn.Module, index: CheckpointIndex, strict: bool, restore: StateRestore):
+@dataclass
+class _KeyUsage:
+    """Of a module or optimizer entry: what the checkpoint holds, what this rank loads, what it lacks."""
+
+    kind: str
+    saved: set[str]
+    used: set[str]
+    missing: set[str]
+
+
+@dataclass
+class StateRestore:
+    """Tensors to read (``targets``: name to a live or freshly allocated tensor), then :meth:`apply`."""
+
+    targets: dict[str, torch.Tensor] = field(default_factory=dict)
+    finishers: list[Callable[[], None]] = field(default_factory=list)
+    restore_rng: bool = False
+    usage: dict[str, _KeyUsage] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def check_keys(self, strict: bool) -> None:
+        """With ``strict``, raise on every rank if a rank lacks a saved key or no rank loads one.
+
+        Collective: the ranks may load different parts (pipeline stages), so what is unexpected
+        is what no rank loads. One digest exchange when the ranks load the same keys.
+
+        Example::
+
+            restore = plan_restore(state, index, strict=True)
+            restore.check_keys(strict=True)
+        """
+        if not strict:
+            return
+        payload = {
+            "problems": self.problems,
+            "used": {key: sorted(usage.used) for key, usage in self.usage.items()},
+            "missing": {key: sorted(usage.missing) for key, usage in self.usage.items()},
+        }
+        gathered = gather_if_different(json.dumps(payload, sort_keys=True).encode())
+        per_rank = [payload] if gathered is None else [json.loads(raw) for raw in gathered]
+        several = rank_and_world_size()[1] > 1 and gathered is not None
+        for rank, found in enumerate(per_rank):
+            if found["problems"]:
+                where = f" (on rank {rank})" if several else ""
+                raise CheckpointMismatchError(found["problems"][0] + where)
+        for key, usage in self.usage.items():
+            missing = {name for found in per_rank for name in found["missing"].get(key, [])}
+            unexpected = usage.saved - {name for found in per_rank for name in found["used"].get(key, [])}
+            if not missing and not unexpected:
+                continue
+            found_in = f"missing {_names(missing) or 'none'}; unexpected {_names(unexpected) or 'none'}"
+            if usage.kind == OPTIMIZER:
+                raise CheckpointMismatchError(
+                    f"optimizer parameters differ from the checkpoint's: {found_in}. Build the optimizer "
+                    "over the same parameters, or pass strict=False to load the common ones"
+                )
+            raise CheckpointMismatchError(
+                f"state[{key!r}] does not match the checkpoint: {found_in}. Build the model the "
+                "checkpoint was saved from, or pass strict=False"
+            )
+
+    def apply(self) -> None:
+        """Install what was read into the optimizer, stateful objects and plain values."""
+        for finish in self.finishers:
+            finish()
+
+
+def _restore_module(key: str, module: nn.Module, index: CheckpointIndex, restore: StateRestore) -> None:
     live = {f"{key}/{fqn}": tensor for fqn, tensor in module.state_dict().items()}
     saved = {name for name in index.tensors if name.startswith(f"{key}/")}
-    missing, unexpected = set(live) - saved, saved - set(live)
-    if strict and (missing or unexpected):
-        raise CheckpointMismatchError(
-            f"state[{key!r}] does not match the checkpoint: missing {_names(missing) or 'none'}; unexpected "
-            f"{_names(unexpected) or 'none'}. Build the model the checkpoint was saved from, or pass "
-            "strict=False"
-        )
+    restore.usage[key] = _KeyUsage(MODULE, saved, set(live) & saved, set(live) - saved)
     for name in sorted(set(live) & saved):
         record, tensor = index.tensors[name], live[name]
         if record.shape != tuple(tensor.shape) or record.dtype != tensor.dtype:
@@ -159,12 +226,16 @@ def plan_restore(state: MutableMapping[str, Any], index: CheckpointIndex, strict
                 "pass an object of the saved kind"
             )
         if kind == MODULE:
-            _restore_module(key, value, index, strict, restore)
+            _restore_module(key, value, index, restore)
         elif kind == OPTIMIZER:
             shapes = {n: (r.shape, r.dtype) for n, r in index.tensors.items() if n.startswith(f"{key}/")}
-            optimizer_restore = OptimizerRestore(
-                value, _model_for(state, key), saved.get("value"), shapes, strict, key
+            model = _model_for(state, key)
+            optimizer_restore = OptimizerRestore(value, model, saved.get("value"), shapes, key)
+            restore.usage[key] = _KeyUsage(
+                OPTIMIZER, optimizer_restore.saved, optimizer_restore.used, optimizer_restore.missing
             )
+            if optimizer_restore.grouping_problem is not None:
+                restore.problems.append(optimizer_restore.grouping_problem)
             restore.targets.update(optimizer_restore.targets)
             restore.finishers.append(optimizer_restore.apply)
         elif kind == RNG:

@@ -121,9 +121,11 @@ def assign_boxes(
         split = len(ranks) > 1 and box.numel * itemsize >= SPLIT_REPLICATED_BYTES
         for piece in _split(box, len(ranks)) if split else [box]:
             pieces.append((piece.numel * itemsize, name, piece, ranks))
-    # Largest first onto the least-loaded holder: the classic greedy bound keeps every rank within
-    # one piece of the mean, and ties go to the lowest rank so that all ranks agree on the plan.
-    pieces.sort(key=lambda piece: (-piece[0], piece[1], piece[2].offsets))
+    # Pieces with the fewest holders first (they have no choice, e.g. a pipeline stage's own
+    # tensors), then largest first onto the least-loaded holder: the classic greedy bound keeps
+    # every rank within one piece of the mean, and ties go to the lowest rank so that all ranks
+    # agree on the plan.
+    pieces.sort(key=lambda piece: (len(piece[3]), -piece[0], piece[1], piece[2].offsets))
     load: dict[int, int] = {}
     plan = []
     for nbytes, name, box, ranks in pieces:

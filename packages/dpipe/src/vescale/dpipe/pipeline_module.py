@@ -69,6 +69,12 @@ class PipelineModule(nn.Module):
         self.stage_indices = local_stage_indices(plan, self.pp_rank)
         self._output_type = trace.output_type
         self._tied_parameters = tied_parameters(model, layout)
+        # A tied parameter's name without a pipeline (its first name in the whole model), which a
+        # stage that holds it only under another name (GPT-2's last stage: lm_head.weight) reports.
+        first_names = {id(param): fqn for fqn, param in model.named_parameters()}
+        self._tied_names = {
+            id(tied.parameter): first_names[id(tied.parameter)] for tied in self._tied_parameters
+        }
         router = StageRouter(model, layout, trace, self.stage_indices)
         model_kwargs = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
         self.activation_meter = ActivationMeter()
@@ -124,7 +130,11 @@ class PipelineModule(nn.Module):
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+        for fqn, parameter in self.module.named_parameters(prefix, recurse, remove_duplicate):
+            tied_name = self._tied_names.get(id(parameter))
+            if tied_name is not None:
+                fqn = f"{prefix}.{tied_name}" if prefix else tied_name
+            yield fqn, parameter
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True

@@ -6,14 +6,14 @@ model's tensors are saved in their parallel layout and load into any other (dche
 resharding); the plan is kept as its JSON text; the LR scheduler and data loader as their JSON
 state dicts. Nothing on disk is pickled.
 
-A ``vescale.doptim.DistributedOptimizer`` is saved in single-device terms (its ``state_dict``:
-per parameter FQN, global tensors), so it loads under any dp size and ZeRO stage. That
-gathers each state tensor whole on every rank while saving and loading (a transient of the
-whole optimizer state per rank); dcheckpoint has no sharded form of ZeRO's ragged ranges yet.
-Any other optimizer goes to dcheckpoint as an optimizer (per FQN, in its parameters' layout).
-Not yet savable, each a ``CheckpointStateError``: pipeline-parallel models (dcheckpoint needs
-the same tensor names on every rank) and bf16 runs with separate fp32 master weights (which
-``DistributedOptimizer.state_dict`` leaves out).
+A ``vescale.doptim.DistributedOptimizer`` is saved through its ``checkpoint_view()``: its state
+per model parameter, as DTensors sharded over dp (each rank holds and writes 1/dp of it), so it
+loads under any dp size, ZeRO stage, tensor-parallel plan and pipeline split. Any other
+optimizer goes to dcheckpoint as an optimizer (per FQN, in its parameters' layout). Pipeline-
+parallel models save the tensors of each rank's stages under the model's own FQNs
+(dcheckpoint agrees on the union over the ranks), so a checkpoint saved under one pipeline size
+loads under another, or without a pipeline. Under ``mixed_precision="bf16"`` the optimizer
+state includes the fp32 master weights (``"master_weight"``), so a bf16 run resumes exactly.
 
 Example::
 
@@ -35,7 +35,6 @@ from vescale.dcheckpoint import CheckpointFormatError, SaveResult, read_index
 from vescale.dcheckpoint import load as load_checkpoint
 from vescale.dcheckpoint import save as save_checkpoint
 from vescale.doptim import DistributedOptimizer
-from vescale.dpipe import PipelineModule
 from vescale.planner import Plan, PlanFormatError
 
 __all__ = ["CheckpointStateError", "load", "save"]
@@ -47,23 +46,6 @@ class CheckpointStateError(VescaleAPIError, ValueError):
     """The state handed to ``vescale.save``/``vescale.load`` is not one they can save or fill."""
 
 
-class _DistributedOptimizerState:
-    """A ``DistributedOptimizer`` seen by dcheckpoint as a stateful object (see the module docstring).
-
-    dcheckpoint's own optimizer support keys state by the model's parameters, but a
-    ``DistributedOptimizer`` steps flat per-rank ranges of them (its masters), which no FQN names.
-    """
-
-    def __init__(self, optimizer: DistributedOptimizer) -> None:
-        self.optimizer = optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-
 def _module(model: Any) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise CheckpointStateError(
@@ -72,24 +54,7 @@ def _module(model: Any) -> nn.Module:
         )
     # The wrapper's parameters are named "module.<fqn>"; the user's model names them "<fqn>", which is
     # what the optimizer state and the checkpoint use.
-    module = model.module if isinstance(model, ParallelizedModel) else model
-    if isinstance(module, PipelineModule):
-        raise CheckpointStateError(
-            "the model is pipeline-parallel: each pp rank's state_dict holds only its own stages' "
-            "tensors, and vescale.dcheckpoint needs every rank to save the same tensor names; save "
-            "pipeline runs with vescale.dcheckpoint once it accepts per-rank tensor sets (not yet)"
-        )
-    return module
-
-
-def _check_master_weights(optimizer: DistributedOptimizer) -> None:
-    copies = sorted(shard.fqn for shard in optimizer.shards.values() if not shard.master_is_view)
-    if copies:
-        raise CheckpointStateError(
-            f"the optimizer keeps separate master weights for {copies[:3]} (mixed precision), which "
-            "DistributedOptimizer.state_dict() does not include, so a checkpoint would drop their fp32 "
-            "values; save under mixed_precision='fp32' until doptim exposes its master weights"
-        )
+    return model.module if isinstance(model, ParallelizedModel) else model
 
 
 def _checkpoint_state(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -107,8 +72,8 @@ def _checkpoint_state(state: Mapping[str, Any]) -> dict[str, Any]:
         if key == "model":
             value = _module(value)
         elif isinstance(value, DistributedOptimizer):
-            _check_master_weights(value)
-            value = _DistributedOptimizerState(value)
+            # Collective (it gathers ZeRO's ranges one bucket at a time); loading into it writes through.
+            value = value.checkpoint_view()
         checkpoint_state[key] = value
     return checkpoint_state
 

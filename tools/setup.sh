@@ -33,8 +33,9 @@ say "installing $torch_spec and the build back-end"
 "${pip[@]}" install -q "$torch_spec" "hatchling==1.33.0" "editables"
 
 editable_args=()
-# The meta-package with its hf extra: the `vescale` command's default model is a transformers one.
-declare -A extras=([vescale]="[hf]")
+# The meta-package with its hf extra (the `vescale` command's default model is a transformers one)
+# and its plot extra (`vescale train --plot`, matplotlib).
+declare -A extras=([vescale]="[hf,plot]")
 for name in "${packages[@]}"; do editable_args+=(-e "packages/$name${extras[$name]:-}"); done
 say "installing ${#packages[@]} packages in editable mode: ${packages[*]}"
 # No build isolation: hatchling is already in .venv, so no throw-away build environments.

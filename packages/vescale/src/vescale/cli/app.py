@@ -63,11 +63,15 @@ def train(
         bool,
         typer.Option(
             "--compare-single-device",
-            help="Also train on one process and print both loss curves side by side.",
+            help=(
+                "Sum the data-parallel gradients in rank order, also train on one process repeating those "
+                "sums, and print both loss curves side by side and how far they agree."
+            ),
         ),
     ] = False,
     plot: Annotated[
-        Path | None, typer.Option(help="Draw the loss curve(s) into this image (needs matplotlib).")
+        Path | None,
+        typer.Option(help="Draw the loss curve(s) into this image (matplotlib: the vescale[plot] extra)."),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the model's initialisation.")] = 0,
     learning_rate: Annotated[

@@ -1,154 +1,115 @@
-"""``--compare-single-device``: the same training on one process, in plain PyTorch, beside veScale's.
+"""``--compare-single-device``: the same training in one process, in plain PyTorch, beside veScale's.
 
 The reference builds the model eagerly after ``torch.manual_seed(seed)`` (what
 ``vescale.manual_seed`` + ``vescale.deferred_init`` reproduce), uses the same optimizer and
-schedule (:mod:`vescale.cli.recipe`) and the global batches ``torch.utils.data.DataLoader``
-yields without shuffling (the ones ``vescale.DistributedDataLoader`` splits over the ranks).
+schedule (:mod:`vescale.cli.recipe`) and reads the same global batches: the dataset in order,
+which ``vescale.DistributedDataLoader`` cuts into one contiguous slice per data-parallel rank.
+
+It repeats the parallel run's arithmetic, not only its mathematics (see :class:`RunLayout`):
+each rank's slice runs as that rank's micro-batches, backward on the loss weighted as
+``vescale.parallelize`` weights it (``loss * (1 / pieces) * dp``), gradients accumulating
+within the slice; the slices' gradients are then summed in rank order and divided by dp, as
+doptim's deterministic reduction does, on as many threads as a rank had. With
+``plan.data_parallel.deterministic`` and no tensor or pipeline split the loss curves are
+then equal bit for bit.
 
 Example::
 
-    reference = reference_losses(options, global_batch_size=16, sequence_length=128)
-    print(comparison_table(parallel_losses, reference))
+    losses = reference_losses(options, RunLayout(global_batch_size=32, sequence_length=128))
 """
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from typing import Any
 
 import torch
+from rich.progress import track
+from torch import nn
 from torch.utils.data import DataLoader
 
 from vescale.cli.data import ByteTextDataset, read_text
-from vescale.cli.errors import CLIUsageError
 from vescale.cli.models import resolve_model
 from vescale.cli.recipe import make_lr_scheduler, make_optimizer
+from vescale.cli.run_layout import RunLayout
 from vescale.cli.train_options import TrainOptions
 
-__all__ = [
-    "AGREEMENT_RTOL",
-    "check_plot_available",
-    "comparison_table",
-    "max_relative_difference",
-    "plot_losses",
-    "reference_losses",
-]
+__all__ = ["reference_losses"]
 
 
-AGREEMENT_RTOL = 1e-4
-"""The relative difference of the loss curves that ``vescale train`` reports against (issue #9)."""
+def _rows(batch: dict[str, torch.Tensor], pieces: int) -> list[dict[str, torch.Tensor]]:
+    """``batch`` cut into ``pieces`` contiguous equal slices of rows, as dp ranks and micro-batches cut it."""
+    size = next(iter(batch.values())).shape[0] // pieces
+    return [
+        {name: rows[index * size : (index + 1) * size] for name, rows in batch.items()}
+        for index in range(pieces)
+    ]
 
 
-def reference_losses(options: TrainOptions, global_batch_size: int, sequence_length: int) -> list[float]:
+def _reference_step(
+    model: nn.Module, parameters: list[nn.Parameter], batch: dict[str, Any], layout: RunLayout
+) -> float:
+    """Forward and backward of one global batch as the parallel ranks ran it; leaves the averaged grads.
+
+    Returns the global batch's loss as the ranks report it: the float32 weighted losses of each
+    rank's micro-batches added in order, then summed over the ranks in float64.
+    """
+    dp = layout.data_parallel
+    # A piece's share of the loss terms: equal pieces of an unpadded batch, so terms / total = 1 / pieces
+    # exactly as parallelize computes it (both quotients are correctly rounded from the same value).
+    share = 1.0 / (dp * layout.micro_batches_per_rank)
+    rank_losses: list[torch.Tensor] = []
+    # (((g_0 + g_1) + g_2) + ...) / dp: doptim's deterministic, rank-ordered average, summed as each
+    # rank's gradients are ready (two copies of the gradients at a time, not dp).
+    gradient_sums: list[torch.Tensor] = []
+    for rank_batch in _rows(batch, dp):
+        model.zero_grad(set_to_none=True)  # the sums keep the earlier ranks' gradient tensors
+        rank_loss = None
+        for micro_batch in _rows(rank_batch, layout.micro_batches_per_rank):
+            weighted = model(**micro_batch).loss * share
+            (weighted * dp).backward()
+            weighted = weighted.detach()
+            rank_loss = weighted if rank_loss is None else rank_loss + weighted
+        rank_losses.append(rank_loss)
+        # A parameter this rank's rows did not reach (an idle expert) adds zeros, as in a reduction.
+        gradients = [
+            torch.zeros_like(weight) if weight.grad is None else weight.grad for weight in parameters
+        ]
+        if not gradient_sums:
+            gradient_sums = gradients
+        else:
+            for gradient_sum, gradient in zip(gradient_sums, gradients, strict=True):
+                gradient_sum.add_(gradient)
+    for gradient_sum, parameter in zip(gradient_sums, parameters, strict=True):
+        parameter.grad = gradient_sum.div_(dp)
+    return float(torch.stack(rank_losses).to(torch.float64).sum().to(torch.float32))
+
+
+def reference_losses(options: TrainOptions, layout: RunLayout) -> list[float]:
     """The loss of each of ``options.steps`` steps of single-process float32 training.
 
     Example::
 
-        losses = reference_losses(TrainOptions(steps=5), global_batch_size=16, sequence_length=128)
+        losses = reference_losses(TrainOptions(steps=5), RunLayout(global_batch_size=32, sequence_length=128))
     """
+    torch.set_num_threads(layout.threads_per_rank)
     torch.manual_seed(options.seed)
     model = resolve_model(options.model).build()
+    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
     optimizer = make_optimizer(model, options.learning_rate)
     scheduler = make_lr_scheduler(optimizer)
-    dataset = ByteTextDataset(read_text(options.data), sequence_length, options.seed)
-    loader = DataLoader(dataset, batch_size=global_batch_size, shuffle=False, drop_last=True)
+    dataset = ByteTextDataset(read_text(options.data), layout.sequence_length, options.seed)
+    loader = DataLoader(dataset, batch_size=layout.global_batch_size, shuffle=False, drop_last=True)
     losses: list[float] = []
     batches = iter(loader)
-    for _ in range(options.steps):
+    # A transient bar: the reference can take as long as the parallel run; a pipe sees nothing of it.
+    for _ in track(range(options.steps), description="single device", transient=True):
         try:
             batch = next(batches)
-        except StopIteration:
+        except StopIteration:  # the next epoch, in the same order (the parallel loader does not shuffle)
             batches = iter(loader)
             batch = next(batches)
-        loss = model(**batch).loss
-        loss.backward()
+        losses.append(_reference_step(model, parameters, batch, layout))
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
-        losses.append(float(loss.detach()))
     return losses
-
-
-def max_relative_difference(parallel: list[float], reference: list[float]) -> float:
-    """``max |parallel - reference| / max |reference|`` over the steps (the guide's relative error).
-
-    Example::
-
-        max_relative_difference([2.0, 1.5], [2.0, 1.5])   # 0.0
-    """
-    scale = max(abs(value) for value in reference)
-    return max(abs(p - r) for p, r in zip(parallel, reference, strict=True)) / scale
-
-
-def comparison_table(parallel: list[float], reference: list[float], rows: int = 20) -> str:
-    """Both loss curves side by side (about ``rows`` evenly spaced steps) and their largest difference.
-
-    Example::
-
-        print(comparison_table(parallel_losses, reference_losses))
-    """
-    every = max(1, len(reference) // rows)
-    shown = sorted({*range(0, len(reference), every), len(reference) - 1})
-    lines = [f"{'step':>6}  {'vescale':>12}  {'single device':>13}  {'rel. diff':>9}", "-" * 46]
-    for index in shown:
-        difference = abs(parallel[index] - reference[index]) / abs(reference[index])
-        lines.append(
-            f"{index + 1:>6}  {parallel[index]:>12.6f}  {reference[index]:>13.6f}  {difference:>9.1e}"
-        )
-    lines.append(
-        f"max relative difference over {len(reference)} steps: "
-        f"{max_relative_difference(parallel, reference):.2e}"
-    )
-    # Rounding differences (the order of the gradient all-reduce's sums) are amplified by training
-    # itself; this is the step from which they show at the issue's 1e-4 bound.
-    beyond = next(
-        (
-            step
-            for step in range(1, len(reference) + 1)
-            if max_relative_difference(parallel[:step], reference[:step]) > AGREEMENT_RTOL
-        ),
-        None,
-    )
-    if beyond is None:
-        lines.append(f"the curves agree within {AGREEMENT_RTOL:.0e} relative at every step")
-    else:
-        lines.append(f"the curves agree within {AGREEMENT_RTOL:.0e} relative up to step {beyond - 1}")
-    return "\n".join(lines)
-
-
-def check_plot_available() -> None:
-    """Raise ``CLIUsageError`` when ``--plot`` cannot work: matplotlib is not installed.
-
-    Example::
-
-        check_plot_available()   # before training starts, not after
-    """
-    if importlib.util.find_spec("matplotlib") is None:
-        raise CLIUsageError(
-            "--plot needs matplotlib, which is not installed; pip install matplotlib, or drop --plot"
-        )
-
-
-def plot_losses(path: Path, parallel: list[float], reference: list[float] | None) -> None:
-    """Draw the loss curve(s) into the image file ``path`` (the format follows its suffix).
-
-    Example::
-
-        plot_losses(Path("loss.png"), parallel_losses, reference_losses)
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
-
-    figure, axes = pyplot.subplots(figsize=(7, 4))
-    steps = range(1, len(parallel) + 1)
-    axes.plot(steps, parallel, label="vescale")
-    if reference is not None:
-        axes.plot(steps, reference, label="single device", linestyle="--")
-    axes.set_xlabel("step")
-    axes.set_ylabel("loss")
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path)
-    pyplot.close(figure)

@@ -77,7 +77,7 @@ def _check_options(options: TrainOptions, launch: LaunchOptions, compare: bool, 
             "drop --resume or --compare-single-device"
         )
     if plot is not None:
-        from vescale.cli.reference import check_plot_available
+        from vescale.cli.plot import check_plot_available
 
         check_plot_available()
     checkpoint_dir = Path(options.checkpoint_dir)
@@ -133,13 +133,20 @@ def _compare(options: TrainOptions, plot: Path | None, compare: bool) -> None:
     parallel = history["losses"][-options.steps :]
     reference = None
     if compare:
-        from vescale.cli.reference import comparison_table, reference_losses
+        from vescale.cli.comparison import comparison_table
+        from vescale.cli.reference import reference_losses
+        from vescale.cli.run_layout import RunLayout
 
-        print(f"single-device reference: {options.steps} steps in one process (float32)...", flush=True)
-        reference = reference_losses(options, history["global_batch_size"], history["sequence_length"])
-        print(comparison_table(parallel, reference))
+        layout = RunLayout.from_dict(history["layout"])
+        print(
+            f"single-device reference: {options.steps} steps in one process (float32, "
+            f"{layout.threads_per_rank} thread(s) as each rank)...",
+            flush=True,
+        )
+        reference = reference_losses(options, layout)
+        print(comparison_table(parallel, reference, layout))
     if plot is not None:
-        from vescale.cli.reference import plot_losses
+        from vescale.cli.plot import plot_losses
 
         plot_losses(plot, parallel, reference)
         print(f"loss curves drawn to {plot}")
@@ -153,6 +160,9 @@ def train_command(options: TrainOptions, launch: LaunchOptions, *, compare: bool
         train_command(TrainOptions(steps=20), LaunchOptions(nproc=2), compare=True, plot=None)
     """
     _check_options(options, launch, compare, plot)
+    if compare:
+        # Rank-ordered gradient sums: the order the single-device reference can repeat exactly.
+        options = replace(options, deterministic=True)
     with tempfile.TemporaryDirectory(prefix="vescale-train-") as run_dir:
         _launch(replace(options, error_file=str(Path(run_dir) / "error.txt")), launch)
     if launch.node_rank == 0 and (compare or plot is not None):

@@ -24,7 +24,9 @@ LOSSES_FILE_NAME = "losses.json"
 class TrainOptions:
     """What every rank needs to run the training loop; the launcher checks them first.
 
-    ``error_file``: where the first rank that meets a user error writes its one-line message.
+    ``deterministic``: sum the data-parallel gradients in rank order (``--compare-single-device``
+    sets it, so that one process can repeat the sums). ``error_file``: where the first rank that
+    meets a user error writes its one-line message.
     """
 
     model: str = "tiny-llama"
@@ -36,6 +38,7 @@ class TrainOptions:
     compile: bool = False
     seed: int = 0
     learning_rate: float = 3e-3
+    deterministic: bool = False
     error_file: str | None = None
 
     @property

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -30,6 +31,7 @@ from vescale.cli.errors import USER_ERROR_EXIT_CODE, CLIUsageError, format_user_
 from vescale.cli.models import resolve_model
 from vescale.cli.progress import TrainingProgress
 from vescale.cli.recipe import default_constraints, make_lr_scheduler, make_optimizer
+from vescale.cli.run_layout import RunLayout
 from vescale.cli.train_options import TrainOptions
 
 __all__ = ["main", "train"]
@@ -67,6 +69,8 @@ def _print_header(model_name: str, parameters: int, backend: str, plan: Any) -> 
         f"vescale train: {model_name} ({parameters / 1e6:.2f}M parameters) on {world_size} ranks, {backend}"
     )
     print(plan, flush=True)
+    if plan.data_parallel.deterministic:
+        print("data-parallel gradients summed in rank order (deterministic)", flush=True)
 
 
 def train(options: TrainOptions) -> None:
@@ -90,6 +94,10 @@ def train(options: TrainOptions) -> None:
     model = vescale.deferred_init(source.build)
     parameters = sum(parameter.numel() for parameter in model.parameters())
     plan = vescale.generate_plan(model, default_constraints(options.constraints, dist.get_world_size()))
+    if options.deterministic:
+        plan = dataclasses.replace(
+            plan, data_parallel=dataclasses.replace(plan.data_parallel, deterministic=True)
+        )
     if is_rank0:
         _print_header(source.name, parameters, backend, plan)
     dataset = ByteTextDataset(read_text(options.data), plan.sequence_length, options.seed)
@@ -139,8 +147,7 @@ def train(options: TrainOptions) -> None:
     vescale.save(saved_at, state)
     if is_rank0:
         history["tokens_per_second"].append(progress.tokens_per_second)
-        history["global_batch_size"] = plan.global_batch_size
-        history["sequence_length"] = plan.sequence_length
+        history["layout"] = RunLayout.of_plan(plan, torch.get_num_threads(), device.type).to_dict()
         options.losses_file.write_text(json.dumps(history))
         if source.config is not None:
             source.config.to_json_file(str(checkpoint_dir / "config.json"))

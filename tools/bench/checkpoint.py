@@ -13,13 +13,20 @@ its shards hold; the worst rank is reported. Replicated reading loads the same c
 4 ranks that each need every tensor whole, and reports the group's total bytes read over the
 checkpoint's tensor bytes (ours also by its own ReadStats, which counts only file reads). The
 export row runs ``export_hf`` on the large checkpoint in a fresh process and reports its
-peak-RSS growth. The async rows measure the first save of a fresh process (cold: its staging
-memory is faulted in while the caller waits), the steady state, and the first save of fresh
-ranks that called ``prepare_async_save`` at start-up, each over the same library's
-synchronous save of the large state. The raw rate is the better of two raw writes. The RSS
+peak-RSS growth.
+
+The async rows time how long ``save(..., async_save=True)`` blocks the caller, over the same
+library's synchronous save of the large state in the same ranks, as the median of
+``--repeats`` runs, each in fresh rank processes, cold and prepared runs interleaved, with
+the 1-minute load average at each run. A cold run: the first async save of the process
+(its staging memory is fresh and faulted in while the caller waits), then the second (the
+steady state). A prepared run: ``prepare_async_save`` at start-up, then the first async save.
+Two floor rows show what staging must cost on this machine: copying the rank's tensors into
+fresh memory (the cold path's copy), and again into the same, now resident, memory (the
+prepared and steady path's copy). The raw rate is the better of two raw writes. The RSS
 rows make ``--saves`` async saves of one ``--rss-mib`` state on 2 fresh ranks (keep_last=2)
 and give each rank's resident memory after the first and the last save, and its largest
-growth over the first.
+growth over the first. ``--async-only`` prints the async rows alone.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -100,25 +108,6 @@ def save_side_on_ranks(root: str, count: int, numel: int) -> dict[str, float]:
     results["dcp_save_s"] = _timed(lambda: dcp.save(dict(tensors), checkpoint_id=root_path / "dcp"))
     results["vescale_load_s"] = _timed(lambda: load(root_path / "vescale", {"model": holder}))
     results["dcp_load_s"] = _timed(lambda: dcp.load(dict(tensors), checkpoint_id=root_path / "dcp"))
-    pending = {}
-    group = dist.new_group(backend="gloo")
-
-    def vescale_async(attempt: int) -> None:
-        pending["vescale"] = save(root_path / f"vescale-async-{attempt}", {"model": holder}, async_save=True)
-
-    def dcp_async(attempt: int) -> None:
-        # DCP's thread runs its collectives on the group it is given: not the default one, which
-        # this (main) thread keeps using, as a training loop would.
-        pending["dcp"] = dcp.async_save(
-            dict(tensors), checkpoint_id=root_path / f"dcp-async-{attempt}", process_group=group
-        )
-
-    # The first async save of a run allocates staging memory; the second is the steady state.
-    for attempt in ("first", "steady"):
-        results[f"vescale_async_{attempt}_s"] = _timed(lambda attempt=attempt: vescale_async(attempt))
-        _timed(lambda: pending["vescale"].result())
-        results[f"dcp_async_{attempt}_s"] = _timed(lambda attempt=attempt: dcp_async(attempt))
-        _timed(lambda: pending["dcp"].result())
     dist.barrier()
     if rank == 0:
         results["vescale_disk"] = _disk_bytes(root_path / "vescale")
@@ -126,19 +115,116 @@ def save_side_on_ranks(root: str, count: int, numel: int) -> dict[str, float]:
     return results
 
 
+def _copy_into(buffer: torch.Tensor, sources: list[torch.Tensor]) -> None:
+    offset = 0
+    for source in sources:
+        nbytes = source.numel() * source.element_size()
+        buffer[offset : offset + nbytes].view(source.dtype).view(source.shape).copy_(source)
+        offset += nbytes
+
+
+def cold_async_on_ranks(root: str, count: int, numel: int) -> dict[str, float]:
+    """In fresh rank processes: each library's sync save, first (cold) and second (steady) async save,
+    and the floor: this rank's tensors copied into fresh memory, then into the same memory again."""
+    root_path = Path(root)
+    tensors = _state(count, numel, ["S(0)"])
+    holder = _Holder(tensors)
+    sources = [tensor.to_local() for tensor in tensors.values()]
+    # Alive to the end of the run: freed, its pages would go to the next allocation (the cold save's).
+    fresh = torch.empty(sum(source.numel() * source.element_size() for source in sources), dtype=torch.uint8)
+    results = {
+        "copy_fresh_s": _timed(lambda: _copy_into(fresh, sources)),
+        "copy_resident_s": _timed(lambda: _copy_into(fresh, sources)),
+        "vescale_sync_s": _timed(lambda: save(root_path / "vescale", {"model": holder})),
+        "dcp_sync_s": _timed(lambda: dcp.save(dict(tensors), checkpoint_id=root_path / "dcp")),
+    }
+    pending = {}
+    # DCP's thread runs its collectives on the group it is given: not the default one, which this
+    # (main) thread keeps using, as a training loop would.
+    group = dist.new_group(backend="gloo")
+    for attempt in ("cold", "steady"):
+        results[f"vescale_{attempt}_s"] = _timed(
+            lambda attempt=attempt: pending.__setitem__(
+                "vescale", save(root_path / f"vescale-{attempt}", {"model": holder}, async_save=True)
+            )
+        )
+        _timed(lambda: pending["vescale"].result())
+        results[f"dcp_{attempt}_s"] = _timed(
+            lambda attempt=attempt: pending.__setitem__(
+                "dcp",
+                dcp.async_save(
+                    dict(tensors), checkpoint_id=root_path / f"dcp-{attempt}", process_group=group
+                ),
+            )
+        )
+        _timed(lambda: pending["dcp"].result())
+    return results
+
+
 def prepared_async_on_ranks(root: str, count: int, numel: int) -> dict[str, float]:
-    """In fresh rank processes: how long the first async save after ``prepare_async_save`` blocks."""
+    """In fresh rank processes: ``prepare_async_save``, the first async save, then a sync save."""
     root_path = Path(root)
     holder = _Holder(_state(count, numel, ["S(0)"]))
-    prepare_s = _timed(lambda: prepare_async_save({"model": holder}))
+    results = {"prepare_s": _timed(lambda: prepare_async_save({"model": holder}))}
     pending = {}
-    first_s = _timed(
-        lambda: pending.setdefault(
+    results["vescale_prepared_s"] = _timed(
+        lambda: pending.__setitem__(
             "save", save(root_path / "vescale-prepared", {"model": holder}, async_save=True)
         )
     )
-    pending["save"].result()
-    return {"first_s": first_s, "prepare_s": prepare_s}
+    _timed(lambda: pending["save"].result())
+    results["vescale_sync_s"] = _timed(lambda: save(root_path / "vescale-sync", {"model": holder}))
+    return results
+
+
+def async_blocking(scratch: Path, repeats: int, numel: int) -> dict[str, list[float]]:
+    """Each async measure over its run's sync save (and the floor copies), one value per run."""
+    ratios: dict[str, list[float]] = {"load": []}
+    for repeat in range(repeats):
+        for kind, body in (("cold", cold_async_on_ranks), ("prepared", prepared_async_on_ranks)):
+            shutdown_rank_pool()  # fresh ranks: no staging memory left from an earlier run
+            root = scratch / f"async-{kind}-{repeat}"
+            root.mkdir()
+            times = run_on_ranks(body, 2, args=(str(root), 64, numel), timeout_s=1800)[0]
+            ratios["load"].append(os.getloadavg()[0])
+            for key, seconds in times.items():
+                library = "dcp" if key.startswith("dcp") else "vescale"
+                if not key.endswith("sync_s"):
+                    ratios.setdefault(key, []).append(seconds / times[f"{library}_sync_s"])
+                ratios.setdefault(f"{key}_abs", []).append(seconds)
+    return ratios
+
+
+def print_async_rows(ratios: dict[str, list[float]], mib: int) -> None:
+    loads = ratios["load"]
+    print(
+        f"\nasync blocking over a sync save of {mib} MiB, median of {len(loads) // 2} runs each "
+        f"(1-min load average {statistics.median(loads):.1f}, {min(loads):.1f}-{max(loads):.1f}):\n"
+    )
+    print("| measure | vescale.dcheckpoint | PyTorch DCP | goal |")
+    print("|---|---|---|---|")
+
+    def cell(key: str) -> str:
+        if key not in ratios:
+            return "-"
+        values = ratios[key]
+        seconds = statistics.median(ratios[f"{key}_abs"])
+        return f"{statistics.median(values):.1%} ({min(values):.1%}-{max(values):.1%}; {seconds:.3f} s)"
+
+    def seconds(key: str) -> str:
+        values = ratios[f"{key}_abs"]
+        return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+    print(_row("sync save (s)", seconds("vescale_sync_s"), seconds("dcp_sync_s"), ""))
+    for name, key in (
+        ("async, first save of a process (cold)", "cold_s"),
+        ("async, first save after prepare_async_save", "prepared_s"),
+        ("async, second save (steady)", "steady_s"),
+    ):
+        print(_row(name, cell(f"vescale_{key}"), cell(f"dcp_{key}"), "<= 10%"))
+    print(_row("prepare_async_save (s)", seconds("prepare_s"), "-", ""))
+    print(_row("floor: the rank's tensors copied into fresh memory", cell("copy_fresh_s"), "-", ""))
+    print(_row("floor: the same copy into resident memory", cell("copy_resident_s"), "-", ""))
 
 
 def _resident_bytes() -> int:
@@ -223,46 +309,27 @@ def _row(name: str, vescale_value: str, dcp_value: str, goal: str) -> str:
     return f"| {name} | {vescale_value} | {dcp_value} | {goal} |"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def print_main_rows(scratch: Path, args: argparse.Namespace) -> None:
+    """Save, load, reshard, disk, RSS and export rows, against DCP, in one run each."""
+    large_root, small_root = scratch / "large", scratch / "small"
+    large_root.mkdir()
+    small_root.mkdir()
+    large_numel = args.mib * (1 << 20) // 4 // 64
+    # Every timing spans barriers, so rank 0's times are the slowest rank's; rank 0 also measured disk.
+    large = run_on_ranks(save_side_on_ranks, 2, args=(str(large_root), 64, large_numel), timeout_s=1800)[0]
+    small_args = (str(small_root), args.small_count, 4096)
+    small = run_on_ranks(save_side_on_ranks, 2, args=small_args, timeout_s=1800)[0]
+    per_rank = run_on_ranks(reshard_on_ranks, 4, args=(str(large_root), 64, large_numel), timeout_s=1800)
+    reshard = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
+    per_rank = run_on_ranks(replicated_on_ranks, 4, args=(str(large_root), 64, large_numel), timeout_s=1800)
+    replicated = {key: sum(r[key] for r in per_rank) for key in per_rank[0]}
+    export_growth = _export_peak_growth(large_root / "vescale", scratch / "hf-export")
+    rss_root = scratch / "rss"
+    rss_root.mkdir()
+    rss_numel = args.rss_mib * (1 << 20) // 4 // 64
+    rss_per_rank = run_on_ranks(
+        rss_over_async_saves_on_ranks, 2, args=(str(rss_root), 64, rss_numel, args.saves), timeout_s=1800
     )
-    parser.add_argument("--mib", type=int, default=512, help="size of the large state, in 64 tensors")
-    parser.add_argument("--small-count", type=int, default=4096, help="number of 16 KiB tensors")
-    parser.add_argument("--directory", default=None, help="where to write (default: a temporary directory)")
-    parser.add_argument("--rss-mib", type=int, default=128, help="state size of the RSS-over-saves run")
-    parser.add_argument("--saves", type=int, default=20, help="async saves in the RSS-over-saves run")
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory(dir=args.directory) as scratch:
-        large_root, small_root = Path(scratch) / "large", Path(scratch) / "small"
-        large_root.mkdir()
-        small_root.mkdir()
-        large_numel = args.mib * (1 << 20) // 4 // 64
-        # Every timing spans barriers, so rank 0's times are the slowest rank's; rank 0 also measured disk.
-        large = run_on_ranks(save_side_on_ranks, 2, args=(str(large_root), 64, large_numel), timeout_s=1800)[
-            0
-        ]
-        small_args = (str(small_root), args.small_count, 4096)
-        small = run_on_ranks(save_side_on_ranks, 2, args=small_args, timeout_s=1800)[0]
-        per_rank = run_on_ranks(reshard_on_ranks, 4, args=(str(large_root), 64, large_numel), timeout_s=1800)
-        reshard = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
-        per_rank = run_on_ranks(
-            replicated_on_ranks, 4, args=(str(large_root), 64, large_numel), timeout_s=1800
-        )
-        replicated = {key: sum(r[key] for r in per_rank) for key in per_rank[0]}
-        shutdown_rank_pool()  # fresh ranks: no staging memory left from the runs above
-        prepared_root = Path(scratch) / "prepared"
-        prepared_root.mkdir()
-        prepared = run_on_ranks(
-            prepared_async_on_ranks, 2, args=(str(prepared_root), 64, large_numel), timeout_s=1800
-        )[0]
-        export_growth = _export_peak_growth(large_root / "vescale", Path(scratch) / "hf-export")
-        rss_root = Path(scratch) / "rss"
-        rss_root.mkdir()
-        rss_numel = args.rss_mib * (1 << 20) // 4 // 64
-        rss_per_rank = run_on_ranks(
-            rss_over_async_saves_on_ranks, 2, args=(str(rss_root), 64, rss_numel, args.saves), timeout_s=1800
-        )
     large_bytes = large["tensor_bytes"]
     raw_rate = large_bytes / large["raw_s"]
     print(f"2 gloo ranks; large: 64 tensors, {large_bytes >> 20} MiB; small: {args.small_count} x 16 KiB")
@@ -301,27 +368,6 @@ def main() -> None:
     ):
         overheads = [result.get(f"{library}_disk", 0) / tensor_bytes - 1 for library in ("vescale", "dcp")]
         print(_row(f"{name} disk overhead", f"{overheads[0]:.2%}", f"{overheads[1]:.2%}", "<= 3%"))
-    for attempt in ("first", "steady"):
-        blocking = [
-            large[f"{library}_async_{attempt}_s"] / large[f"{library}_save_s"]
-            for library in ("vescale", "dcp")
-        ]
-        print(
-            _row(
-                f"async blocking / sync save ({attempt})",
-                f"{blocking[0]:.1%}",
-                f"{blocking[1]:.1%}",
-                "<= 10%",
-            )
-        )
-    print(
-        _row(
-            f"async blocking / sync save (first, after prepare_async_save: {prepared['prepare_s']:.2f} s)",
-            f"{prepared['first_s'] / large['vescale_save_s']:.1%}",
-            "-",
-            "<= 10%",
-        )
-    )
     print(
         _row(
             "reshard 2->4 dim 0: bytes read / needed",
@@ -367,6 +413,25 @@ def main() -> None:
             f"<= {(largest >> 20) + 64}",
         )
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mib", type=int, default=512, help="size of the large state, in 64 tensors")
+    parser.add_argument("--small-count", type=int, default=4096, help="number of 16 KiB tensors")
+    parser.add_argument("--directory", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--rss-mib", type=int, default=128, help="state size of the RSS-over-saves run")
+    parser.add_argument("--saves", type=int, default=20, help="async saves in the RSS-over-saves run")
+    parser.add_argument("--repeats", type=int, default=5, help="cold and prepared async runs (each)")
+    parser.add_argument("--async-only", action="store_true", help="print the async rows alone")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.directory) as scratch:
+        if not args.async_only:
+            print_main_rows(Path(scratch), args)
+        large_numel = args.mib * (1 << 20) // 4 // 64
+        print_async_rows(async_blocking(Path(scratch), args.repeats, large_numel), args.mib)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ bytes), collectives of the caller may run meanwhile, and memory does not grow sa
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -98,3 +101,26 @@ def test_prepare_async_save_makes_the_first_async_save_allocate_nothing(tmp_path
     load(tmp_path, {"model": loaded})
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+# The training loop's last save, and the process exits without waiting for it.
+_SAVE_AND_EXIT = """
+import sys, torch
+from torch import nn
+from vescale.dcheckpoint import save
+torch.manual_seed(1)
+model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 16))
+save(sys.argv[1], {"model": model}, async_save=True)
+with torch.no_grad():
+    for param in model.parameters():
+        param.zero_()
+"""
+
+
+def test_a_process_that_exits_without_waiting_still_commits_its_async_save(tmp_path):
+    subprocess.run([sys.executable, "-c", _SAVE_AND_EXIT, str(tmp_path / "step-1")], check=True, timeout=120)
+    expected = _model(1)  # what the child built from the same seed, before it zeroed it
+    loaded = _model(2)
+    load(tmp_path, {"model": loaded})
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, expected.state_dict()[name]), name

@@ -43,6 +43,7 @@ class AsyncSave:
     def __init__(self, staged: StagedSave, group: dist.ProcessGroup | None) -> None:
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
+        # Not a daemon: the interpreter waits for it at exit, so a run's last save still commits.
         self._thread = threading.Thread(
             target=self._run, args=(staged, group), name="vescale-dcheckpoint-save"
         )

@@ -190,3 +190,27 @@ def test_the_default_budget_is_the_devices_memory(llama):
     plan = generate_plan(llama, {"sequence_length": 8}, world_size=2)
     assert plan.memory_per_device_gb == default_memory_per_device_gb(devices_per_node=2) > 0
     assert dict(plan.reasons)["memory_per_device_gb"] == "the device's memory"
+
+
+def test_mixtral_from_deferred_init_is_planned_with_its_experts_profiled():
+    from vescale.dmodule import deferred_init
+    from vescale.dtensor import is_deferred
+    from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
+    from vescale.planner.profile import profile_model
+
+    transformers = pytest.importorskip("transformers")
+    config = tiny_hf_config("mixtral")
+    model = deferred_init(transformers.AutoModelForCausalLM.from_config, config)
+    constraints = {"tensor_parallel.size": 2, "sequence_parallel": True, "sequence_length": 8}
+    plan = generate_plan(model, constraints, world_size=4)
+    forward = plan.sharding_plan.to_dict()["forward"]
+    # The experts' three inputs (tokens, expert ids, routing weights) enter replicated, so the routing
+    # weights' gradient is reduced over tp at the experts; the MoE block gathers the sequence first.
+    assert forward[r"model\.layers\.\d+\.mlp\.experts.input"] == ["R", "R", "R"]
+    assert forward[r"model\.layers\.\d+\.mlp.input"] == ["R"]
+    assert all(is_deferred(parameter) for parameter in model.parameters())  # the analysis put them back
+    profile = profile_model(model, sequence_length=8)
+    experts_bytes = sum(r.nbytes for r in profile.saved if r.block == 0 and r.module_fqn.endswith("experts"))
+    # At least the fused gate|up output of every routed token: 8 tokens x 2 experts x 2 x 64 fp32 values.
+    routed = 8 * config.num_experts_per_tok
+    assert experts_bytes >= routed * 2 * config.intermediate_size * 4

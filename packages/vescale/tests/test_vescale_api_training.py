@@ -5,8 +5,8 @@ Each rank runs the RFC's script shape unchanged apart from the model and dataset
 ``vescale.parallelize(plan, model, optimizer_fn, None, dataset)`` and the plain loop
 ``zero_grad / model(**batch).loss / backward / step``. Plans: dp4 (two micro-batches per rank,
 so gradient accumulation too), tp4, dp2 x tp2 with sequence parallelism and ZeRO-2, and the
-plan ``generate_plan`` chooses with no size constraint, for tiny ``transformers`` Llama and GPT-2;
-dp4 and tp4 for Mixtral (see ``mixtral_plan`` and the test for why not more).
+plan ``generate_plan`` chooses with no size constraint, for tiny ``transformers`` Llama, GPT-2
+and Mixtral (its experts tensor-parallel, its router replicated).
 
 Reference: plain PyTorch in one process (no veScale): the same model class, seed and config,
 ``torch.utils.data.DataLoader(dataset, batch_size=GLOBAL_BATCH)``, the same AdamW, float32, one
@@ -31,8 +31,6 @@ import torch
 import transformers
 
 import vescale
-from vescale.dmodule import plan_tensor_parallel
-from vescale.doptim import DataParallelPlan
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
 
@@ -65,32 +63,6 @@ def build_dataset(vocab_size: int) -> list[dict[str, torch.Tensor]]:
         labels[SEQ_LEN - index % 4 :] = -100  # 0-3 padded positions: unequal token counts per piece
         samples.append({"input_ids": input_ids, "labels": labels})
     return samples
-
-
-def mixtral_plan(config, constraints: dict) -> vescale.Plan:
-    """The plan ``constraints`` ask for, written out: ``generate_plan`` cannot plan Mixtral yet.
-
-    The planner's meta-tensor profile fails on transformers' MoE experts (``_grouped_mm``'s meta
-    kernel takes bf16 only; the eager experts call ``nonzero``); reported to the lead. dmodule's
-    own tensor-parallel analysis handles them on meta tensors, so the sharding plan is its.
-    """
-    dp = constraints.get("data_parallel.size", 1)
-    tp = constraints.get("tensor_parallel.size", 1)
-    sequence_parallel = constraints.get("sequence_parallel", False)
-    sharding_plan = None
-    if tp > 1:
-        with torch.device("meta"):
-            meta_model = transformers.AutoModelForCausalLM.from_config(config)
-        sharding_plan = plan_tensor_parallel(meta_model, sequence_parallel=sequence_parallel).plan
-    return vescale.Plan(
-        mesh={"dp": dp, "tp": tp},
-        data_parallel=DataParallelPlan(size=dp, zero_stage=constraints.get("zero.stage", 0)),
-        global_batch_size=constraints["global_batch_size"],
-        micro_batch_size=constraints["micro_batch_size"],
-        sequence_length=SEQ_LEN,
-        sharding_plan=sharding_plan,
-        sequence_parallel=sequence_parallel,
-    )
 
 
 def optimizer_fn(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -151,10 +123,7 @@ def rfc_script_losses(model_name: str, plan_names: list[str]) -> dict[str, tuple
         vescale.manual_seed(0)
         model = vescale.deferred_init(transformers.AutoModelForCausalLM.from_config, config)
         constraints = {"global_batch_size": GLOBAL_BATCH, **CONSTRAINED_PLANS[plan_name]}
-        if model_name == "mixtral":
-            plan = mixtral_plan(config, constraints)
-        else:
-            plan = vescale.generate_plan(model, constraints)
+        plan = vescale.generate_plan(model, constraints)
         model, optimizer, _, data_loader = vescale.parallelize(plan, model, optimizer_fn, None, dataset)
         losses = []
         for batch in data_loader:
@@ -169,9 +138,7 @@ def rfc_script_losses(model_name: str, plan_names: list[str]) -> dict[str, tuple
 
 @pytest.mark.parametrize("model_name", ["llama", "gpt2", "mixtral"])
 def test_rfc_script_on_4_ranks_matches_single_device_losses(model_name: str):
-    # Mixtral: dp4 and tp4 only. No plan is generated for it (see mixtral_plan), and dp2 x tp2 is off
-    # by 7e-3 relative with or without SP and ZeRO (doptim/dmodule on MoE experts; reported to the lead).
-    plan_names = ["dp4", "tp4"] if model_name == "mixtral" else list(CONSTRAINED_PLANS)
+    plan_names = list(CONSTRAINED_PLANS)
     reference = reference_losses(model_name)
     # The padding must matter: without token weighting the losses would miss the bound by 10x.
     assert max_relative_error(unweighted_slices_losses(model_name), reference) > 10 * LOSS_RTOL

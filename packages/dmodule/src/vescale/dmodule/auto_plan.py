@@ -18,6 +18,8 @@ to class or module names:
 * with ``sequence_parallel=True`` activations between blocks are sharded on the sequence dim
   (dim 1): embedding outputs and row outputs reduce-scatter into it, column inputs gather it.
 
+The plan's parameter and forward entries are sorted by pattern, the same in every process.
+
 Example::
 
     result = plan_tensor_parallel(model, sequence_parallel=True)
@@ -132,10 +134,10 @@ def _decide(trace: DataflowTrace) -> tuple[dict[str, str], dict[str, str], list[
     projections = trace.projections
     consumed_by: dict[str, list[str]] = {}
     for name, projection in projections.items():
-        for producer in projection.consumes:
+        for producer in sorted(projection.consumes):
             consumed_by.setdefault(producer, []).append(name)
     for name, projection in projections.items():
-        producers = [projections[p] for p in projection.consumes if p in projections]
+        producers = [projections[p] for p in sorted(projection.consumes) if p in projections]
         if not producers:
             continue
         blocked = [p.weight for p in producers if p.routing or p.consumes]
@@ -197,18 +199,22 @@ def plan_tensor_parallel(
         three_dims = trace.output_ndims.get(_module_of(embedding)) == 3
         forward[f"{_module_of(embedding)}.output"] = [residual if three_dims else "R"]
     for column in columns:
-        forward.setdefault(f"{_module_of(column)}.input", ["R"])
+        forward.setdefault(f"{_module_of(column)}.input", _column_module_inputs(model, _module_of(column)))
     for row in rows:
         # Only (batch, sequence, hidden) outputs can be sharded on the sequence; flattened tokens are reduced.
         three_dims = trace.output_ndims.get(_module_of(row)) == 3
         forward[f"{_module_of(row)}.output"] = [residual if three_dims else "R"]
+        if sequence_parallel and not three_dims:
+            forward.update(_token_block_gather(trace, _module_of(row)))
     for head in lm_heads:
         forward[f"{_module_of(head)}.input"] = ["R"]
         forward[f"{_module_of(head)}.output"] = ["S(-1)"]
     plan = ShardingPlan.from_dict(
         {
-            "parameter": _compact(placements),
-            "forward": _compact_forward(forward),
+            # Sorted, so that every process builds an equal plan: the trace records consumers in
+            # sets. The patterns never overlap, so their order decides no placement.
+            "parameter": dict(sorted(_compact(placements).items())),
+            "forward": dict(sorted(_compact_forward(forward).items())),
         }
     )
     head_counts = tuple(trace.projections[c].heads for c in columns if trace.projections[c].heads)
@@ -216,6 +222,42 @@ def plan_tensor_parallel(
     if replicated:
         logger.info("auto_sharding_plan leaves %d projections replicated: %s", len(replicated), replicated)
     return AutoShardingResult(plan=plan, decisions=tuple(sorted(decisions.items())), head_counts=head_counts)
+
+
+def _token_block_gather(trace: DataflowTrace, module_fqn: str) -> dict[str, list[str]]:
+    """Under sequence parallelism, gather the sequence at the input of the nearest enclosing module
+    with (batch, sequence, hidden) output, for a row module that sees flattened tokens.
+
+    A fused-experts module (Mixtral) flattens the sequence-sharded tokens before routing them;
+    run on those shards, its routing-weight gradients came out wrong (dp2 x tp2 + SP: every
+    gradient below the first MoE block off by O(1)), while gathering the tokens at the MoE
+    block's input gives the single-device gradients, as Megatron gathers before its router.
+    """
+    parts = module_fqn.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        ancestor = ".".join(parts[:end])
+        if trace.output_ndims.get(ancestor) == 3:
+            return {f"{ancestor}.input": ["R"]}
+    return {}
+
+
+def _column_module_inputs(model: nn.Module, module_fqn: str) -> list[str]:
+    """``"R"`` for each positional input of the module holding a column-parallel weight.
+
+    The gradient of every tensor entering that module comes back Partial over tp (each rank holds
+    its shard's share), and the input conversion's backward reduces it at the module's boundary
+    (Megatron's f). An undeclared input (a fused-experts module's routing weights, its third
+    input) would carry the Partial gradient into replicated code, where DTensor may resolve it by
+    sharding the dp mesh dim as well, mixing the dp ranks' different batches (Mixtral's router
+    gradients under dp2 x tp2 were those of other ranks' tokens). Non-tensor inputs are left as
+    they are by the conversion.
+    """
+    try:
+        parameters = inspect.signature(model.get_submodule(module_fqn).forward).parameters.values()
+    except (TypeError, ValueError):
+        return ["R"]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return ["R"] * max(1, sum(parameter.kind in positional for parameter in parameters))
 
 
 def _compact_forward(forward: dict[str, object]) -> dict[str, object]:

@@ -34,6 +34,7 @@ from torch import nn
 from vescale.dmodule.auto_plan import AutoShardingResult, plan_tensor_parallel
 from vescale.doptim.plan import DataParallelPlan
 from vescale.dpipe.plan import PipelinePlan
+from vescale.planner._meta_forward import meta_parameters
 from vescale.planner._plan_reasons import explain_choices
 from vescale.planner.constraints import Constraints
 from vescale.planner.errors import ConstraintError
@@ -241,7 +242,9 @@ def _tensor_parallel_analysis(
 ) -> AutoShardingResult | None:
     if world_size == 1 or constraints.tensor_parallel_size == 1:
         return None
-    return plan_tensor_parallel(model)
+    # On meta parameters: dmodule's trace answers data-dependent ops (MoE routing) on meta only.
+    with meta_parameters(model):
+        return plan_tensor_parallel(model)
 
 
 def _assemble(
@@ -259,7 +262,11 @@ def _assemble(
     if tp > 1:
         # The analysis ran without sequence parallelism; with it the forward placements differ.
         sp = choices.sequence_parallel
-        sharding_plan = plan_tensor_parallel(model, sequence_parallel=True).plan if sp else auto.plan
+        if sp:
+            with meta_parameters(model):
+                sharding_plan = plan_tensor_parallel(model, sequence_parallel=True).plan
+        else:
+            sharding_plan = auto.plan
     pipeline = None
     if pp > 1:
         pipeline = PipelinePlan(

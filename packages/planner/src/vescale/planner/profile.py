@@ -6,7 +6,8 @@ sees every tensor autograd saves for backward; forward hooks say which module wa
 which repeated block (the longest ``ModuleList`` of same-class modules) it belongs to. Saved
 tensors are counted once per storage, parameters and views of them not at all, and the forward's
 outputs (alive until backward) are counted too. Meta tensors always take SDPA's math path, so
-attention is counted as the fused kernels of real devices save it.
+attention is counted as the fused kernels of real devices save it. Mixture-of-experts layers
+(``transformers``' grouped-matmul experts) are profiled with their routed token shapes.
 
 Example::
 
@@ -27,6 +28,7 @@ from torch.func import functional_call
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from vescale.planner._meta_forward import MetaGroupedMatmul
 from vescale.planner.errors import PlanError
 
 __all__ = ["ModelProfile", "find_repeated_blocks", "profile_model"]
@@ -197,7 +199,8 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
         handles.append(module.register_forward_hook(leave(fqn), with_kwargs=True, always_call=True))
     args, kwargs = _example_inputs(model, micro_batch_size, sequence_length)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), attention:
+        saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+        with saving, attention, MetaGroupedMatmul():
             outputs = functional_call(model, meta, args, kwargs)
         # The outputs (logits next to the loss) stay alive until backward, saved or not.
         for tensor in _tensors_in(outputs):

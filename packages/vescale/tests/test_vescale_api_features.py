@@ -66,9 +66,11 @@ def train_dp2(constraints: dict, compile_model: bool) -> dict:
     plan = vescale.generate_plan(
         model, {"data_parallel.size": 2, "global_batch_size": GLOBAL_BATCH, **constraints}
     )
-    mlp_calls = []
+    mlp_input_dtypes = []
     # A pre-hook: a recompute stops early after the block's last saved tensor (inside the MLP).
-    model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(1))
+    model.model.layers[0].mlp.register_forward_pre_hook(
+        lambda module, args: mlp_input_dtypes.append(str(args[0].dtype))
+    )
     model, optimizer, _, _ = vescale.parallelize(plan, model, optimizer_fn, compile=compile_model)
     rows = GLOBAL_BATCH // 2
     dp_rank = mesh_of(model).get_local_rank("dp")
@@ -86,7 +88,8 @@ def train_dp2(constraints: dict, compile_model: bool) -> dict:
         "losses": losses,
         "param_dtypes": sorted({str(param.dtype) for param in model.parameters()}),
         "master_dtypes": sorted(master_dtypes),
-        "mlp_calls": len(mlp_calls),
+        "mlp_calls": len(mlp_input_dtypes),
+        "compute_dtypes": sorted(set(mlp_input_dtypes)),
     }
 
 
@@ -107,19 +110,25 @@ def test_dp2_plan_features_match_single_device_losses(constraints, mlp_calls_per
         assert result["mlp_calls"] == STEPS * mlp_calls_per_step
 
 
-def test_bf16_plan_keeps_fp32_masters_and_trains_like_fp32_within_bf16_rounding():
+# ZeRO 0-2 cast the model to bf16 and the optimizer keeps fp32 masters; ZeRO-3 (FSDP2) keeps the
+# sharded parameters in fp32 (they are the masters) and gathers them in bf16 for compute.
+@pytest.mark.parametrize(
+    ("zero_stage", "param_dtype"), [(1, "torch.bfloat16"), (3, "torch.float32")], ids=["zero1", "zero3"]
+)
+def test_bf16_plan_keeps_fp32_masters_and_trains_like_fp32_within_bf16_rounding(zero_stage, param_dtype):
     # bf16 parameters and activations round each value to 8 significant bits (2**-8 = 3.9e-3
     # relative), but the loss is computed in fp32 from the logits and, near initialisation, hardly
     # depends on them (~log(vocab)): measured 2.0e-5 relative over 5 steps. The bound, 1e-3, is a
     # quarter of one bf16 rounding; an fp32 run inside it would not prove bf16, hence the dtype checks.
     reference = reference_losses()
-    for result in run_on_ranks(
-        train_dp2, world_size=2, args=({"mixed_precision": "bf16"}, False), timeout_s=300
-    ):
-        print(f"bf16 max relative loss error {max_relative_error(result['losses'], reference):.2e}")
-        assert max_relative_error(result["losses"], reference) <= 1e-3
-        assert result["param_dtypes"] == ["torch.bfloat16"]
+    constraints = {"mixed_precision": "bf16", "zero.stage": zero_stage}
+    for result in run_on_ranks(train_dp2, world_size=2, args=(constraints, False), timeout_s=300):
+        error = max_relative_error(result["losses"], reference)
+        print(f"bf16 ZeRO-{zero_stage} max relative loss error {error:.2e}")
+        assert error <= 1e-3
+        assert result["param_dtypes"] == [param_dtype]
         assert result["master_dtypes"] == ["torch.float32"]
+        assert result["compute_dtypes"] == ["torch.bfloat16"]
 
 
 def test_compile_true_trains_like_single_device():

@@ -121,13 +121,16 @@ def _apply_pipeline(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> nn.Module
 def _apply_data_parallel(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> None:
     section = plan.data_parallel
     if section.zero_stage == 3:
-        if plan.mixed_precision != "fp32":
-            raise UnsupportedPlanError(
-                "mixed_precision='bf16' with zero.stage=3: vescale.doptim.data_parallel keeps FSDP2's "
-                "parameters in their own dtype (no fp32 master weights for ZeRO-3 yet); use zero.stage<=2 "
-                "for bf16, or mixed_precision='fp32'"
-            )
-        data_parallel(model, mesh, zero_stage=3, mesh_dim="dp")
+        # FSDP2 keeps the sharded parameters in fp32 (the master weights) and computes in bf16.
+        compute_dtype = torch.bfloat16 if plan.mixed_precision == "bf16" else None
+        data_parallel(
+            model,
+            mesh,
+            zero_stage=3,
+            mesh_dim="dp",
+            compute_dtype=compute_dtype,
+            deterministic=section.deterministic,
+        )
         return
     data_parallel(
         model,
@@ -142,7 +145,7 @@ def _apply_data_parallel(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> None
 
 def _parallel_module(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     _apply_tensor_parallel(plan, model, mesh)
-    if plan.mixed_precision == "bf16":
+    if plan.mixed_precision == "bf16" and plan.data_parallel.zero_stage < 3:
         model.to(torch.bfloat16)
     if plan.activation_checkpointing == "full":
         checkpoint_repeated_blocks(model)

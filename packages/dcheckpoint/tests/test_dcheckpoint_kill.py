@@ -52,7 +52,9 @@ TENSORS = {
 KILL_POINTS = {
     "mid-shard": (1, "writer._write_piece", 2),  # first chunk written, the second not
     "before-fsync": (1, "atomic.fsync_file", 1),  # shard written, not fsynced
-    "before-exchange": (0, "saving.all_gather_bytes", 3),  # shard fsynced, records not exchanged
+    # saving.all_gather_bytes is called to prepare the directory (1), to exchange the file
+    # records (2) and to share the commit's outcome (3).
+    "before-exchange": (0, "saving.all_gather_bytes", 2),  # shard fsynced, records not exchanged
     "before-index": (0, "saving.encode_index", 1),
     "before-rename": (0, "os.rename", 1),
     "before-latest": (0, "atomic.update_latest", 1),

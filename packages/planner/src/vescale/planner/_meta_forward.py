@@ -9,11 +9,12 @@ mixture-of-experts models:
   :func:`meta_parameters` swaps every parameter and buffer for a meta tensor of its shape
   while the analysis runs, and puts the originals back;
 * ``aten._grouped_mm``'s meta kernel accepts bfloat16 only (torch 2.13), while the experts
-  run in the model's float32: :class:`MetaGroupedMatmul` answers it with the output's shape.
+  run in the model's float32: ``vescale.dtensor.grouped_mm_shapes.GroupedMatmulShapes``
+  (shared with dpipe's split) answers it with the output's shape.
 
 Example::
 
-    with meta_parameters(model), MetaGroupedMatmul():
+    with meta_parameters(model), GroupedMatmulShapes():
         model(input_ids=torch.zeros(1, 8, dtype=torch.long, device="meta"))
 """
 
@@ -26,28 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vescale.dtensor import _compat
-
-__all__ = ["MetaGroupedMatmul", "meta_parameters"]
-
-
-class MetaGroupedMatmul(_compat.torch_dispatch_mode_class()):
-    """Answer ``aten._grouped_mm`` on meta tensors with an empty output of the right shape and dtype.
-
-    Everything else runs as it is. The mode sits below autograd, so the grouped matmul's
-    saved inputs are still seen by ``saved_tensors_hooks``.
-    """
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._grouped_mm.default and args[0].is_meta:
-            mat_a, mat_b = args[0], args[1]
-            # (tokens, in) x (experts, in, out) -> (tokens, out); batched 3-D inputs keep their batch dim.
-            rows = mat_a.shape[0] if mat_a.ndim == 2 else mat_a.shape[1]
-            shape = (rows, mat_b.shape[-1]) if mat_a.ndim == 2 else (mat_a.shape[0], rows, mat_b.shape[-1])
-            dtype = kwargs.get("out_dtype") or mat_a.dtype
-            return torch.empty(shape, dtype=dtype, device="meta")
-        return func(*args, **kwargs)
+__all__ = ["meta_parameters"]
 
 
 @contextlib.contextmanager

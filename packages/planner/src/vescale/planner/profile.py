@@ -28,7 +28,7 @@ from torch.func import functional_call
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from vescale.planner._meta_forward import MetaGroupedMatmul
+from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
 from vescale.planner.errors import PlanError
 
 __all__ = ["ModelProfile", "find_repeated_blocks", "profile_model"]
@@ -200,7 +200,7 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
     args, kwargs = _example_inputs(model, micro_batch_size, sequence_length)
     try:
         saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
-        with saving, attention, MetaGroupedMatmul():
+        with saving, attention, GroupedMatmulShapes():
             outputs = functional_call(model, meta, args, kwargs)
         # The outputs (logits next to the loss) stay alive until backward, saved or not.
         for tensor in _tensors_in(outputs):

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from vescale.dtensor import _compat
 from vescale.dtensor._op_handlers import dispatch_previous, register_op_handlers
+from vescale.dtensor.grouped_mm_shapes import empty_grouped_mm_output, holds_no_data
 
 __all__ = ["GROUPED_MM_LAYOUTS", "grouped_mm_handler"]
 
@@ -190,7 +191,11 @@ def grouped_mm_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
     local_a = _aligned(mat_a.redistribute(mesh, plan_a).to_local())
     local_b = _aligned(mat_b.redistribute(mesh, plan_b).to_local())
     local_offs = _to_replicated_local(offs)
-    local_out = op_call(local_a, local_b, local_offs, None, out_dtype)
+    if holds_no_data(local_a) or holds_no_data(local_b):
+        # A structure analysis (fake or meta tensors): the meta function would reject float32.
+        local_out = empty_grouped_mm_output(local_a, local_b, out_dtype)
+    else:
+        local_out = op_call(local_a, local_b, local_offs, None, out_dtype)
     groups = 0 if offs is None else offs.shape[0]
     shape = _global_output_shape(layout, mat_a, mat_b, groups)
     stride = [1] * len(shape)

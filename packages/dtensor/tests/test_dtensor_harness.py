@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from vescale.dtensor.testing import (
+    NestedRankRunError,
     RankCrashedError,
     RankFailedError,
     RankTimeoutError,
@@ -260,6 +261,19 @@ def test_nested_functions_and_bad_world_sizes_are_refused_with_the_fix():
         run_on_ranks(nested, world_size=2)
     with pytest.raises(ValueError, match=r"world_size=9 is outside 1\.\.8"):
         run_on_ranks(all_reduce_rank_numbers, world_size=9)
+
+
+def start_ranks_from_a_rank() -> None:
+    run_on_ranks(all_reduce_rank_numbers, world_size=2)
+
+
+def test_a_rank_that_starts_ranks_gets_a_clear_error_instead_of_a_deadlock():
+    # A nested pool's ranks would wait forever for the machine-wide lock this run holds.
+    started = time.monotonic()
+    with pytest.raises(NestedRankRunError, match=r'if __name__ == "__main__"'):
+        run_on_ranks(start_ranks_from_a_rank, world_size=2, timeout_s=60)
+    assert time.monotonic() - started < 30
+    assert run_on_ranks(all_reduce_rank_numbers, world_size=2) == [1.0, 1.0]
 
 
 @distributed_test(world_size=4)

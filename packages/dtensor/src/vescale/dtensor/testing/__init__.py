@@ -34,6 +34,7 @@ from vescale.dtensor.testing._global_state import DEFAULT_SEED
 from vescale.dtensor.testing._rank_pool import MAX_WORLD_SIZE, RankPool
 from vescale.dtensor.testing.errors import (
     DistributedTestError,
+    NestedRankRunError,
     RankCrashedError,
     RankFailedError,
     RankTimeoutError,
@@ -44,6 +45,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "MAX_WORLD_SIZE",
     "DistributedTestError",
+    "NestedRankRunError",
     "RankCrashedError",
     "RankFailedError",
     "RankPool",

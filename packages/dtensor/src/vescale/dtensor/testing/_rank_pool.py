@@ -31,13 +31,14 @@ from vescale.dtensor.testing._function_ref import FunctionRef
 from vescale.dtensor.testing._protocol import READY, SHUTDOWN, RunReply, RunRequest
 from vescale.dtensor.testing.errors import (
     DistributedTestError,
+    NestedRankRunError,
     RankCrashedError,
     RankFailedError,
     RankTimeoutError,
     RemoteTraceback,
 )
 
-__all__ = ["MAX_WORLD_SIZE", "RankPool"]
+__all__ = ["MAX_WORLD_SIZE", "RankPool", "mark_rank_process"]
 
 MAX_WORLD_SIZE = 8
 STARTUP_TIMEOUT_S = 300.0
@@ -45,6 +46,14 @@ STACK_DUMP_WAIT_S = 2.0
 # Multi-rank runs of every test process on this machine take turns through this lock, so
 # that two pytest-xdist workers never run 2 x 4 busy ranks on 2 cores. "none" turns it off.
 RANK_LOCK_ENV = "VESCALE_TEST_RANK_LOCK"
+# True in a rank process (set by its worker loop): a run started there could never take the lock.
+_inside_rank_process = False
+
+
+def mark_rank_process() -> None:
+    """Record that this process is a rank of a pool (called once by the rank worker)."""
+    global _inside_rank_process
+    _inside_rank_process = True
 
 
 @dataclass
@@ -139,6 +148,13 @@ class RankPool:
         error_grace_s: float,
     ) -> list[Any]:
         """Run ``function(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result."""
+        if _inside_rank_process:
+            raise NestedRankRunError(
+                f"run_on_ranks({getattr(function, '__qualname__', function)!r}) was called inside a rank "
+                "process, whose ranks would wait forever for the machine-wide rank lock; if a script "
+                "defines the rank function and calls run_on_ranks at import time, put that call under "
+                '`if __name__ == "__main__":` (each rank imports the script to find the function)'
+            )
         if not 1 <= world_size <= MAX_WORLD_SIZE:
             raise ValueError(
                 f"world_size={world_size} is outside 1..{MAX_WORLD_SIZE}, the ranks this harness runs"

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from vescale.dtensor.testing._global_state import isolated_run, reset_global_state
 from vescale.dtensor.testing._protocol import READY, SHUTDOWN, RunReply, RunRequest
+from vescale.dtensor.testing._rank_pool import mark_rank_process
 
 OUTPUT_LIMIT_CHARS = 64_000
 
@@ -108,6 +109,7 @@ def _run(request: RunRequest) -> RunReply:
 def main(argv: list[str]) -> None:
     connection_fd, output_file, stack_file = int(argv[1]), argv[2], argv[3]
     _die_with_parent(int(os.environ["VESCALE_TEST_PARENT_PID"]))
+    mark_rank_process()
     connection = Connection(connection_fd)
     stack_output = open(stack_file, "w")  # noqa: SIM115 - stays open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stack_output, all_threads=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 __all__ = [
     "DistributedTestError",
+    "NestedRankRunError",
     "RankCrashedError",
     "RankFailedError",
     "RankTimeoutError",
@@ -64,3 +65,13 @@ class RankCrashedError(DistributedTestError):
         super().__init__(message)
         self.rank = rank
         self.exit_code = exit_code
+
+
+class NestedRankRunError(DistributedTestError):
+    """``run_on_ranks`` was called inside a rank process.
+
+    A rank cannot start ranks of its own: they would wait forever for the machine-wide rank
+    lock that their parent's run holds. The usual cause is a script that defines the rank
+    function and calls ``run_on_ranks`` at import time: each rank imports the script to find
+    the function and runs it again.
+    """

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -41,6 +42,21 @@ def test_changes_after_an_async_save_returns_do_not_reach_the_checkpoint(tmp_pat
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, expected[name]), name
     assert loaded_optimizer.param_groups[0]["lr"] == 0.1
+
+
+def test_a_failed_async_save_raises_once_and_the_next_save_works(tmp_path):
+    # The parent of the checkpoint is a file: the background save fails making its directory.
+    (tmp_path / "blocked").write_text("not a directory")
+    failing = save(tmp_path / "blocked" / "step-1", {"model": _model(1)}, async_save=True)
+    with pytest.raises(OSError):
+        failing.result()
+    # The caller has had the error: the next save and load must not raise it again.
+    model = _model(3)
+    save(tmp_path / "ok" / "step-1", {"model": model}, async_save=True).result()
+    loaded = _model(4)
+    load(tmp_path / "ok", {"model": loaded})
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
 
 
 def async_save_while_training_on_ranks(directory: str, full: torch.Tensor) -> bool:

@@ -61,9 +61,12 @@ class AsyncSave:
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """Wait for the save; return its :class:`SaveResult` or raise its error."""
+        global _pending
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"the checkpoint save is still running after {timeout} s")
+        if _pending is self:  # the caller has its outcome: the next save need not raise it again
+            _pending = None
         if self._error is not None:
             raise self._error
         assert self._result is not None
@@ -71,7 +74,8 @@ class AsyncSave:
 
 
 def wait_for_pending_save() -> None:
-    """Wait for the save in flight, if any (its error is raised here if it failed)."""
+    """Wait for the save in flight, if any (its error is raised here if it failed and
+    :meth:`AsyncSave.result` did not raise it already)."""
     global _pending
     pending, _pending = _pending, None
     if pending is not None:

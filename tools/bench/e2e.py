@@ -12,9 +12,13 @@ Variants, each on the same 4 gloo ranks (one thread each), the same ``transforme
   ``fully_shard`` on every decoder layer and the root over ``dp``; ``torch.optim.AdamW``;
 * ``vescale``: ``vescale.generate_plan(model, {dp 2, tp 2, ZeRO-3, no SP})`` and
   ``vescale.parallelize(plan, model, optimizer_fn)``;
-* ``vescale dp4`` and ``vescale dp4+compile``: eager vs ``compile=True`` on a dp4 plan (ZeRO-0):
-  ``parallelize`` refuses ``compile=True`` with tensor parallelism (inductor fails on DTensor
-  modules under implicit replication: "Mixing fake modes NYI").
+* ``vescale dp2×tp2 sdpa`` and ``vescale dp2×tp2 sdpa+compile``: the same plan, eager and with
+  ``compile=True`` (with tensor parallelism,
+  each decoder layer is compiled on its own; the rest runs eagerly), with ``sdpa`` attention:
+  torch 2.13 cannot trace eager attention's 4-D ``matmul`` on head-sharded DTensors of a 2-D mesh
+  ("Sharding propagation failed for aten.bmm.default" on ``_StridedShard`` under fake tensors);
+* ``vescale dp4`` and ``vescale dp4+compile``: eager vs ``compile=True`` on a dp4 plan (ZeRO-0,
+  the whole model compiled).
 
 Step time is fwd + bwd + optimizer step + ``zero_grad`` between barriers, the slowest rank's,
 median over ``--steps`` steps after ``--warmup`` warm-up steps (compilation happens there).
@@ -38,10 +42,12 @@ import vescale
 from vescale.dtensor.testing import run_on_ranks, shutdown_rank_pool
 from vescale.dtensor.testing.models.tp_plans import apply_tensor_parallel
 
-VARIANTS = ("native", "vescale", "vescale dp4", "vescale dp4+compile")
+COMPILED_TP = "vescale dp2×tp2 sdpa+compile"
+EAGER_SDPA = "vescale dp2×tp2 sdpa"  # the compiled row's eager twin
+VARIANTS = ("native", "vescale", EAGER_SDPA, COMPILED_TP, "vescale dp4", "vescale dp4+compile")
 
 
-def _config(hidden: int, layers: int) -> transformers.LlamaConfig:
+def _config(hidden: int, layers: int, attention: str = "eager") -> transformers.LlamaConfig:
     return transformers.LlamaConfig(
         vocab_size=512,
         hidden_size=hidden,
@@ -50,7 +56,8 @@ def _config(hidden: int, layers: int) -> transformers.LlamaConfig:
         num_attention_heads=8,
         num_key_value_heads=4,
         max_position_embeddings=256,
-        attn_implementation="eager",  # stock DTensor has no strategy for the CPU flash-attention op
+        # Stock DTensor has no strategy for the CPU flash-attention op (native needs "eager").
+        attn_implementation=attention,
         tie_word_embeddings=False,
     )
 
@@ -84,7 +91,7 @@ def step_seconds(
     variant: str, hidden: int, layers: int, batch: int, seq: int, warmup: int, steps: int
 ) -> float:
     """The median step time of ``variant`` on this rank's share (all ranks agree after the max-reduce)."""
-    config = _config(hidden, layers)
+    config = _config(hidden, layers, "sdpa" if variant in (COMPILED_TP, EAGER_SDPA) else "eager")
     dp = 4 if "dp4" in variant else 2
     if variant == "native":
         model, optimizer = _native(config)

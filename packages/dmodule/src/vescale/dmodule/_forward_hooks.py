@@ -91,6 +91,11 @@ class InputConversionCache:
         """``convert_to_placements(value, ...)``, reusing this forward's earlier identical conversion."""
         if not isinstance(value, torch.Tensor):
             return value
+        if torch.compiler.is_compiling():
+            # Dynamo cannot trace weak dictionaries or version counters. Converting per consumer
+            # gives the same values; the backward then reduces each consumer's gradient on its
+            # own instead of their sum once (more collectives, the same sum).
+            return convert_to_placements(value, mesh, placements, where)
         key = (mesh, tuple(to_torch_placements(placements)))
         by_target = self._entries.setdefault(value, {})
         version, converted = by_target.get(key, (None, None))

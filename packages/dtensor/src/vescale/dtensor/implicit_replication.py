@@ -134,6 +134,12 @@ class ImplicitReplicationHandle:
         self._hook_handles = []
 
     def _enter_forward(self, module: nn.Module, args: Any) -> None:
+        # Under torch.compile (a compiled block inside the model), the enclosing module's forward
+        # entered the scope before the compiled region and dynamo traces through the active mode;
+        # entering a mode or reading the mode stack inside the traced region would break the graph.
+        if torch.compiler.is_compiling():
+            self._active.append(None)
+            return
         # The thread's mode stack, not self._active, says whether a scope is on: in backward the
         # autograd engine has reset the stack while this module's forward may still be running.
         if any(isinstance(mode, ReplicatePlainTensorsMode) for mode in _compat.active_torch_function_modes()):

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -31,12 +32,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from vescale.api._recompute import repeated_blocks
 from vescale.api._token_weights import loss_term_rule
 from vescale.api.errors import UnsupportedPlanError
 from vescale.doptim import data_parallel_of
 from vescale.dpipe import loss_with_backward_done
 
 __all__ = ["ParallelizedModel"]
+
+# torch.compiler.config.recompile_limit's default: compiled variants of one function before eager.
+_RECOMPILES_PER_BLOCK = 8
 
 
 def _split(batch: Mapping[str, Any], pieces: int) -> list[dict[str, Any]]:
@@ -91,6 +96,8 @@ class ParallelizedModel(nn.Module):
         # What a call runs: the module, or its torch.compile'd form (kept out of the module tree so
         # that parameters and state_dict keys stay the module's).
         self.__dict__["_call_module"] = module
+        # Set by compile_module(per_block=True): training calls then pass use_cache=False.
+        self._cache_off_in_training = False
         self.mesh = mesh
         self.num_microbatches = num_microbatches
         self.pipelined = pipelined
@@ -100,9 +107,46 @@ class ParallelizedModel(nn.Module):
         self._dp_size = mesh.size(dims.index("dp")) if "dp" in dims else 1
         self._dp_group = mesh.get_group("dp") if self._dp_size > 1 else None
 
-    def compile_module(self) -> None:
-        """Run the wrapped module under ``torch.compile`` from the next call on."""
-        self.__dict__["_call_module"] = torch.compile(self.module)
+    def compile_module(self, *, per_block: bool = False) -> None:
+        """Run the wrapped module under ``torch.compile`` from the next call on.
+
+        ``per_block``: compile the forward of each repeated block (each element of the outermost
+        ``nn.ModuleList``s, as torchtitan does) instead of the whole module; the code between
+        blocks (embedding, final norm, head, loss) and the blocks' own dmodule hooks stay eager.
+        """
+        if not per_block:
+            self.__dict__["_call_module"] = torch.compile(self.module)
+            return
+        blocks = repeated_blocks(self.module)
+        if not blocks:
+            raise UnsupportedPlanError(
+                f"compile=True with tensor parallelism compiles each repeated block (an element of an "
+                f"nn.ModuleList), but {type(self.module).__name__} has no nn.ModuleList; use compile=False"
+            )
+        for _, block in blocks:
+            block.forward = torch.compile(block.forward)
+        # The blocks share one code object, and dynamo guards on their (distinct) dmodule hook ids:
+        # each block is one more compiled variant. Give each block torch's default budget of
+        # variants, or blocks past the 8th would silently run eagerly.
+        budget = _RECOMPILES_PER_BLOCK * len(blocks)
+        torch.compiler.config.recompile_limit = max(torch.compiler.config.recompile_limit, budget)
+        torch.compiler.config.accumulated_recompile_limit = max(
+            torch.compiler.config.accumulated_recompile_limit, budget
+        )
+        # A transformers KV cache keeps each block's keys and values: a compiled block then returns
+        # them as extra DTensor outputs that need a gradient and never get one, and torch 2.13's AOT
+        # autograd fails in backward ("Expected a DTensor tangent but got a plain Tensor",
+        # pytorch/pytorch#172556). A training step never reads the cache.
+        try:
+            accepted = inspect.signature(self.module.forward).parameters
+        except (TypeError, ValueError):
+            accepted = {}
+        self._cache_off_in_training = "use_cache" in accepted
+
+    def _run(self, batch: Mapping[str, Any]) -> Any:
+        if self._cache_off_in_training and torch.is_grad_enabled() and "use_cache" not in batch:
+            batch = {**batch, "use_cache": False}
+        return self._call_module(**batch)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -154,7 +198,7 @@ class ParallelizedModel(nn.Module):
         return self._all_reduce(value)[0].to(weighted_local.dtype)
 
     def _forward_one(self, batch: dict[str, Any], terms: int, total_terms: float) -> Any:
-        output = self._call_module(**batch)
+        output = self._run(batch)
         loss = _loss_of(output)
         if loss is None:
             return output
@@ -173,7 +217,7 @@ class ParallelizedModel(nn.Module):
         for index, (micro_batch, terms) in enumerate(zip(micro_batches, counts, strict=True)):
             last = index == len(micro_batches) - 1
             with contextlib.nullcontext() if last or not training else _gradient_sync_paused(self.module):
-                output = self._call_module(**micro_batch)
+                output = self._run(micro_batch)
                 weighted = _required_loss(output) * (terms / total)
                 if training:
                     (weighted * self._dp_size).backward()
@@ -199,7 +243,7 @@ class ParallelizedModel(nn.Module):
                 "would differ from one device; pad every micro-batch alike or use a plan without "
                 "pipeline_parallel"
             )
-        output = self._call_module(**batch)
+        output = self._run(batch)
         loss = _required_loss(output)
         return _with_loss(output, loss_with_backward_done(loss, self._global_loss(loss / self._dp_size)))
 

@@ -23,11 +23,29 @@ from torch.utils.checkpoint import checkpoint
 
 from vescale.api.errors import UnsupportedPlanError
 
-__all__ = ["checkpoint_repeated_blocks"]
+__all__ = ["checkpoint_repeated_blocks", "repeated_blocks"]
 
 
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The elements of the outermost ``nn.ModuleList``s of ``model`` (a transformer's layers), by FQN.
+
+    Example::
+
+        names = [fqn for fqn, _ in repeated_blocks(model)]
+        assert names == [f"model.layers.{i}" for i in range(config.num_hidden_layers)]
+    """
+    blocks: list[tuple[str, nn.Module]] = []
+    for list_fqn, module_list in model.named_modules():
+        # Only the outermost lists: a list inside a block (experts of a layer) goes with its block.
+        inside_block = any(list_fqn.startswith(f"{block_fqn}.") for block_fqn, _ in blocks)
+        if isinstance(module_list, nn.ModuleList) and not inside_block:
+            prefix = f"{list_fqn}." if list_fqn else ""
+            blocks += [(f"{prefix}{index}", block) for index, block in enumerate(module_list)]
+    return blocks
 
 
 def checkpoint_repeated_blocks(model: nn.Module) -> list[str]:
@@ -38,13 +56,7 @@ def checkpoint_repeated_blocks(model: nn.Module) -> list[str]:
         names = checkpoint_repeated_blocks(model)
         assert names == [f"model.layers.{i}" for i in range(config.num_hidden_layers)]
     """
-    blocks: list[tuple[str, nn.Module]] = []
-    for list_fqn, module_list in model.named_modules():
-        # Only the outermost lists: a list inside a block (experts of a layer) is recomputed with it.
-        inside_block = any(list_fqn.startswith(f"{block_fqn}.") for block_fqn, _ in blocks)
-        if isinstance(module_list, nn.ModuleList) and not inside_block:
-            prefix = f"{list_fqn}." if list_fqn else ""
-            blocks += [(f"{prefix}{index}", block) for index, block in enumerate(module_list)]
+    blocks = repeated_blocks(model)
     if not blocks:
         raise UnsupportedPlanError(
             f"activation_checkpointing='full' checkpoints each repeated block (an element of an "

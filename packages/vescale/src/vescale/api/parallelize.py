@@ -14,7 +14,7 @@ Order of composition (each step needs the previous one's placements):
    ``DistributedOptimizer(optimizer_fn(model))`` and ``lr_scheduler_fn(optimizer)``;
 7. the returned model (:class:`~._global_batch.ParallelizedModel`): one call takes this rank's
    share of the global batch and returns the whole global batch's loss; ``compile=True`` runs
-   the model under ``torch.compile`` (not yet with tensor parallelism: a typed error).
+   the model under ``torch.compile`` (with tensor parallelism, each repeated block separately).
 
 Example::
 
@@ -62,6 +62,24 @@ def mesh_of(model: nn.Module) -> DeviceMesh:
             f"{type(model).__name__} is not a model returned by vescale.parallelize; pass that one"
         )
     return model.mesh
+
+
+def _check_compile(plan: Plan, model: nn.Module) -> None:
+    # torch 2.13: DTensor's bmm sharding propagation on a _StridedShard needs concrete values under
+    # the fake tensors of a compile, so eager attention on a dp x tp mesh fails in its first call.
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if (
+        isinstance(plan, Plan)
+        and plan.mesh_size("tp") > 1
+        and plan.mesh_size("dp") > 1
+        and attention == "eager"
+    ):
+        raise UnsupportedPlanError(
+            f"compile=True with {type(model).__name__}'s eager attention on a dp x tp mesh "
+            f"(dp={plan.mesh_size('dp')}, tp={plan.mesh_size('tp')}) fails in torch.compile (DTensor's "
+            "bmm sharding propagation under fake tensors, torch 2.13); build the model with "
+            "attn_implementation='sdpa', or use compile=False"
+        )
 
 
 def _check_world(plan: Plan) -> None:
@@ -178,22 +196,30 @@ def parallelize(
     :class:`vescale.DistributedDataLoader` of ``plan.global_batch_size``. Every rank gets the
     whole global batch's loss from ``model(**batch).loss``.
 
+    ``compile=True`` compiles the whole model with ``torch.compile``, except with tensor
+    parallelism (``tp > 1``): then it compiles the ``forward`` of each repeated block (each
+    element of the model's outermost ``nn.ModuleList``s, a transformer's layers, as torchtitan
+    does), and the code around the blocks (embedding, final norm, head, loss) and the blocks' own
+    dmodule placement hooks run eagerly. Whole-model compile fails there: dmodule's forward hooks
+    enter vescale.dtensor's implicit-replication mode, and inductor cannot trace the DTensors it
+    creates ("Mixing fake modes NYI", torch 2.13). Training calls of such a model pass
+    ``use_cache=False`` when its forward takes ``use_cache`` and the batch does not set it (a
+    compiled block cannot return a KV cache of DTensors that get no gradient), and the process's
+    ``torch.compiler.config.recompile_limit`` is raised to 8 per block (the blocks share one code
+    object, each compiled on its own). Known limit (torch 2.13): a transformers model with
+    ``attn_implementation="eager"`` on a dp x tp mesh with more than one row per micro-batch fails
+    to compile (DTensor's ``bmm`` sharding propagation on a ``_StridedShard`` needs concrete
+    values under fake tensors); ``"sdpa"`` attention compiles.
+
     Example::
 
         model, optimizer, scheduler, loader = vescale.parallelize(plan, model, optimizer_fn, None, dataset)
         for batch in loader:
             model(**batch).loss.backward(); optimizer.step(); optimizer.zero_grad()
     """
+    if compile:
+        _check_compile(plan, model)
     _check_world(plan)
-    if compile and plan.mesh_size("tp") > 1:
-        # Measured with torch 2.13 on CPU (tools/bench/e2e.py, dp2 x tp2): inductor fails on the first
-        # call with "BackendCompilerFailed: backend='inductor' raised: AssertionError: Mixing fake modes
-        # NYI" in model.embed_tokens, under vescale.dtensor's implicit-replication mode.
-        raise UnsupportedPlanError(
-            f"compile=True with tensor parallelism (tp={plan.mesh_size('tp')}) is not supported yet: "
-            "torch.compile fails on DTensor modules under vescale.dtensor's implicit replication "
-            "('Mixing fake modes NYI'); use compile=False, or a plan without tensor_parallel"
-        )
     mesh = init_mesh(**_mesh_dims(plan))
     module = _parallel_module(plan, model, mesh)
     parallel_model = ParallelizedModel(
@@ -204,7 +230,7 @@ def parallelize(
         user_model=model,
     )
     if compile:
-        parallel_model.compile_module()
+        parallel_model.compile_module(per_block=plan.mesh_size("tp") > 1)
     optimizer = DistributedOptimizer(optimizer_fn(module)) if optimizer_fn is not None else None
     if lr_scheduler_fn is not None and optimizer is None:
         raise ParallelizeError("lr_scheduler_fn needs an optimizer to schedule; pass optimizer_fn too")

@@ -216,6 +216,9 @@ class RankPool:
             **os.environ,
             "OMP_NUM_THREADS": "1",  # one thread per rank: 4 ranks on 2 cores must not thrash
             "MKL_NUM_THREADS": "1",
+            # torch.compile in a rank compiles in that process: a long-lived rank must not keep
+            # inductor's pool of compile workers (hundreds of threads) for every later test.
+            "TORCHINDUCTOR_COMPILE_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
             "VESCALE_TEST_PARENT_PID": str(os.getpid()),
         }

@@ -35,7 +35,7 @@ def _smallest_without_model_parallelism(model, world_size: int) -> int:
             ),
         ).total
         for zero_stage in (0, 1, 2, 3)
-        for checkpointing in ("none", "full")
+        for checkpointing in ("none", "selective", "full")
     )
 
 
@@ -214,3 +214,24 @@ def test_mixtral_from_deferred_init_is_planned_with_its_experts_profiled():
     # At least the fused gate|up output of every routed token: 8 tokens x 2 experts x 2 x 64 fp32 values.
     routed = 8 * config.num_experts_per_tok
     assert experts_bytes >= routed * 2 * config.intermediate_size * 4
+
+
+def test_recomputation_is_chosen_in_order_none_selective_full_as_the_budget_shrinks(llama):
+    # One device: no model parallelism and no ZeRO, only checkpointing can make the run fit. The
+    # budgets: the estimate without recomputation, one byte less, one byte under selective's.
+    sizes = {"sequence_length": 64, "micro_batch_size": 4, "global_batch_size": 4}
+
+    def leanest(mode: str) -> int:
+        choices = ParallelChoices(activation_checkpointing=mode, sequence_length=64, micro_batch_size=4)
+        return estimate_memory(llama, choices).total  # ZeRO needs dp > 1: one device has stage 0
+
+    none, selective, full = leanest("none"), leanest("selective"), leanest("full")
+    assert full < selective < none
+    chosen = {}
+    for budget in (none, none - 1, selective - 1):
+        plan = generate_plan(llama, {**sizes, "memory_per_device_gb": budget / _GIB}, world_size=1)
+        chosen[budget] = plan.activation_checkpointing
+        assert plan.memory_estimate.total <= budget
+    assert list(chosen.values()) == ["none", "selective", "full"]
+    plan = generate_plan(llama, {**sizes, "memory_per_device_gb": (none - 1) / _GIB}, world_size=1)
+    assert "backward recomputes no matmul" in dict(plan.reasons)["activation_checkpointing"]

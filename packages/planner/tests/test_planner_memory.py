@@ -10,6 +10,7 @@ tested in ``test_planner_peak.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -135,6 +136,58 @@ def test_full_activation_checkpointing_keeps_block_inputs_and_one_block():
     profile = profile_model(model, 8, 2)
     outside = sum(record.nbytes for record in profile.saved if record.block is None)
     assert full == 2 * block_input + outside < none
+
+
+# Tiny Llama: hidden 32, 8 query heads and 4 key/value heads of 4, intermediate 64; a micro-batch
+# of 2 x 8 tokens in float32 makes each row of `hidden` features 2 * 8 * 4 bytes.
+ROW_BYTES = 2 * 8 * 4
+BLOCK_INPUT = 32 * ROW_BYTES
+COLUMN_OUTPUTS = (32 + 16 + 16 + 64 + 64) * ROW_BYTES  # q, k, v, gate and up projections
+ATTENTION_KEPT = 32 * ROW_BYTES + 2 * 8 * 8 * 4  # the kernel's output, its log-sum-exp per head row
+ROW_OUTPUTS = (32 + 32) * ROW_BYTES  # o and down projections
+
+
+def test_selective_checkpointing_keeps_block_inputs_and_matmul_and_attention_outputs():
+    # The reference is the model's shapes: what the selective policy keeps, counted by hand.
+    model = build_tiny_hf_model("llama")
+    profile = profile_model(model, 8, 2)
+    outside = sum(record.nbytes for record in profile.saved if record.block is None)
+    estimates = {
+        mode: forward_activations(
+            model, ParallelChoices(sequence_length=8, micro_batch_size=2, activation_checkpointing=mode)
+        )
+        for mode in ("none", "selective", "full")
+    }
+    per_block = BLOCK_INPUT + COLUMN_OUTPUTS + ATTENTION_KEPT + ROW_OUTPUTS
+    assert estimates["selective"] == 2 * per_block + outside
+    assert estimates["full"] < estimates["selective"] < estimates["none"]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_selective_checkpointing_under_tensor_parallelism_keeps_partial_sums_whole(sequence_parallel):
+    # Column-parallel outputs and attention are this rank's heads (halved); a row-parallel matmul's
+    # output is a partial sum of the whole shape, kept next to its reduction (all-reduce: whole;
+    # reduce-scatter under SP: halved); the block input is halved by SP only.
+    model = build_tiny_hf_model("llama")
+    plan = plan_tensor_parallel(model).plan
+    profile = profile_model(model, 8, 2)
+    choices = ParallelChoices(
+        sequence_length=8,
+        micro_batch_size=2,
+        tensor_parallel_size=2,
+        sequence_parallel=sequence_parallel,
+        sharding_plan=plan,
+    )
+    none = forward_activations(model, choices)
+    full = forward_activations(model, dataclasses.replace(choices, activation_checkpointing="full"))
+    selective = forward_activations(model, dataclasses.replace(choices, activation_checkpointing="selective"))
+    outside = full - 2 * BLOCK_INPUT / (2 if sequence_parallel else 1)
+    reduced = ROW_OUTPUTS / (2 if sequence_parallel else 1)
+    per_block = (COLUMN_OUTPUTS + ATTENTION_KEPT) / 2 + ROW_OUTPUTS + reduced
+    per_block += BLOCK_INPUT / (2 if sequence_parallel else 1)
+    assert profile.num_blocks == 2
+    assert selective == pytest.approx(2 * per_block + outside, abs=0.5)
+    assert full < selective < none
 
 
 def local_parameter_bytes_on_ranks(plan_dict: dict) -> int:

@@ -49,16 +49,14 @@ def explain_choices(
             else "off: no tensor parallelism to shard the sequence over",
         ),
         "zero_stage": given("zero_stage", f"the lowest ZeRO stage that fits ({fits})"),
-        "activation_checkpointing": (
-            "constraint (estimated as 'none', an upper bound)"
-            if choices.activation_checkpointing == "selective"
-            else None
-        )
-        or given(
+        "activation_checkpointing": given(
             "activation_checkpointing",
-            "none: it fits without recomputation"
-            if choices.activation_checkpointing == "none"
-            else "full: nothing fits without recomputing each block",
+            {
+                "none": "none: it fits without recomputation",
+                "selective": "selective: it does not fit without recomputation, but fits keeping each "
+                "block's matmul and attention outputs (backward recomputes no matmul)",
+                "full": "full: nothing fits without recomputing each block whole",
+            }[choices.activation_checkpointing],
         ),
         "mixed_precision": given("mixed_precision", "fp32: the default (bf16 only when asked)"),
         "micro_batching": (

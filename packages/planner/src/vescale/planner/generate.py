@@ -6,8 +6,9 @@ For a world of ``W`` devices, ``devices_per_node`` per node and a memory budget 
    (``tp <= devices_per_node``) and divides every attention head count; ``pp`` divides
    ``W / tp`` and is at most the number of repeated blocks; ``dp = W / (tp * pp)``;
 2. they are tried smallest ``tp * pp`` first (ties: larger ``tp``, as TP within a node is cheaper
-   than PP across nodes); for each, activation checkpointing ``"none"`` then ``"full"``, and ZeRO
-   stages 0 to 3; the first that fits the budget (:mod:`vescale.planner.memory`) is the plan;
+   than PP across nodes); for each, activation checkpointing ``"none"``, ``"selective"`` then
+   ``"full"``, and ZeRO stages 0 to 3; the first that fits the budget
+   (:mod:`vescale.planner.memory`) is the plan;
 3. sequence parallelism is on when ``tp > 1``; every constraint set by the user replaces the
    corresponding loop with its one value, and a combination that cannot hold raises
    ``ConstraintError`` saying why.
@@ -184,7 +185,9 @@ def generate_plan(
     )
     mixed_precision = constraints.mixed_precision or "fp32"
     checkpointing = (
-        [constraints.activation_checkpointing] if constraints.activation_checkpointing else ["none", "full"]
+        [constraints.activation_checkpointing]
+        if constraints.activation_checkpointing
+        else ["none", "selective", "full"]
     )
     zero_stages = [constraints.zero_stage] if constraints.zero_stage is not None else [0, 1, 2, 3]
     smallest = None

@@ -22,8 +22,13 @@ pipeline stage holds for a :class:`ParallelChoices` (all sizes in bytes), and
   ``activation_checkpointing="full"`` a block keeps only its input (the forward keeps
   ``blocks * input + A_outside``), and one block's activations exist again while it is
   recomputed. ``in_flight`` is 1 without a pipeline, else the micro-batches the first stage
-  holds: ``min(num_microbatches, pp)`` (1F1B) or ``num_microbatches`` (GPipe). ``"selective"``
-  is estimated as ``"none"`` (an upper bound).
+  holds: ``min(num_microbatches, pp)`` (1F1B) or ``num_microbatches`` (GPipe). With
+  ``"selective"`` a block keeps its input and the outputs of its matmuls, attention kernels
+  and tensor-parallel reductions (:mod:`vescale.planner.selective`): a matmul output is
+  divided by ``tp`` where its module takes the replicated input of a column-parallel
+  projection, kept whole where the module is row-parallel (its output is a partial sum), and
+  then kept once more reduced (divided by ``tp`` under sequence parallelism); one block's
+  other activations exist again while it is recomputed, as under ``"full"``.
 
 The :class:`MemoryEstimate` gives each part as held at the peak moment, and the short-lived
 buffers there (``temporaries``); ``total`` is the peak.
@@ -147,6 +152,26 @@ def _activation_divisors(profile: ModelProfile, choices: ParallelChoices) -> dic
     return divisors
 
 
+def _selective_block_bytes(profile: ModelProfile, choices: ParallelChoices) -> dict[int, float]:
+    """Block -> what ``"selective"`` keeps of it besides its input (see the module docstring)."""
+    tp, plan = choices.tensor_parallel_size, choices.sharding_plan
+    bf16 = choices.mixed_precision == "bf16"
+    kept: dict[int, float] = {}
+    for record in profile.selective_kept:
+        if record.block is None:
+            continue
+        nbytes = record.nbytes * (0.5 if bf16 and record.is_float else 1.0)
+        owned = profile.module_parameters.get(record.module_fqn, ())
+        if tp == 1 or plan is None or not record.is_float:
+            local = nbytes
+        elif _column_input(plan, record.module_fqn) or not any(_tp_sharded(plan, fqn) for fqn in owned):
+            local = nbytes / tp  # a column-parallel output, or attention over this rank's heads
+        else:  # row-parallel: the partial sum, then its all-reduce or reduce-scatter
+            local = nbytes + nbytes / (tp if choices.sequence_parallel else 1)
+        kept[record.block] = kept.get(record.block, 0.0) + local
+    return kept
+
+
 def _stage_sizes(profile: ModelProfile, choices: ParallelChoices, side: str) -> StageSizes:
     """What one device of the pipeline stage on ``side`` holds before ZeRO divides it."""
     tp, pp, dp, zero = (
@@ -191,12 +216,16 @@ def _stage_sizes(profile: ModelProfile, choices: ParallelChoices, side: str) -> 
                 largest_output = max(largest_output, nbytes)
     largest_block = max(per_block.values(), default=0.0)
     recompute, last = 0.0, first_side + largest_block
-    if choices.activation_checkpointing == "full":
-        kept = blocks_per_stage * profile.block_input_bytes / (tp if choices.sequence_parallel else 1)
-        stage_activations = kept + outside
+    if choices.activation_checkpointing in ("full", "selective"):
+        block_input = profile.block_input_bytes / (tp if choices.sequence_parallel else 1)
+        kept_inside = [0.0] * blocks_per_stage
+        if choices.activation_checkpointing == "selective":
+            selective = _selective_block_bytes(profile, choices)
+            kept_inside = [selective.get(block, 0.0) for block in stage_blocks]
+        stage_activations = blocks_per_stage * block_input + sum(kept_inside) + outside
         # One block's activations exist again while it is recomputed, once the head's are freed.
         recompute = max(0.0, largest_block - (outside - first_side))
-        last += profile.block_input_bytes / (tp if choices.sequence_parallel else 1)
+        last += block_input + max(kept_inside, default=0.0)
     else:
         stage_activations = sum(per_block.values()) + outside
     in_flight = 1

@@ -9,6 +9,10 @@ outputs (alive until backward) are counted too. Meta tensors always take SDPA's 
 attention is counted as the fused kernels of real devices save it. Mixture-of-experts layers
 (``transformers``' grouped-matmul experts) are profiled with their routed token shapes.
 
+For ``activation_checkpointing="selective"`` the profile also records, as ``selective_kept``,
+the outputs of the ops that selective checkpointing keeps (:mod:`vescale.planner.selective`:
+matmuls and attention kernels, once per storage), whether autograd saves them or not.
+
 Example::
 
     profile = profile_model(model, sequence_length=2048, micro_batch_size=1)
@@ -27,9 +31,11 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
 from vescale.planner.errors import PlanError
+from vescale.planner.selective import KEPT_COMPUTE_OPS
 
 __all__ = ["ModelProfile", "find_repeated_blocks", "profile_model"]
 
@@ -62,6 +68,7 @@ class ModelProfile:
     saved: tuple[_SavedRecord, ...]
     block_input_bytes: int
     module_parameters: dict[str, tuple[str, ...]]
+    selective_kept: tuple[_SavedRecord, ...] = ()
 
 
 def find_repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
@@ -97,9 +104,14 @@ class _FusedAttentionSaves(TorchFunctionMode):
     reshape feeding the output projection is a view, as it is on a real device.
     """
 
-    def __init__(self, save: Callable[[torch.Tensor], None], record_extra: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        save: Callable[[torch.Tensor], None],
+        record_extra: Callable[[int], None],
+        keep: Callable[[torch.Tensor], None],
+    ) -> None:
         super().__init__()
-        self.save, self.record_extra, self.inside = save, record_extra, False
+        self.save, self.record_extra, self.keep, self.inside = save, record_extra, keep, False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -117,6 +129,23 @@ class _FusedAttentionSaves(TorchFunctionMode):
             self.save(tensor)
         batch_heads_rows = output.numel() // output.shape[-1]
         self.record_extra(batch_heads_rows * 4)  # the fp32 log-sum-exp of each query row
+        self.keep(output)  # the kernel's output and log-sum-exp are kept by selective checkpointing
+        return output
+
+
+class _KeptOutputs(TorchDispatchMode):
+    """Pass the outputs of the ops selective checkpointing keeps to ``keep`` (not inside attention,
+    whose math path on meta stands for one fused kernel: :class:`_FusedAttentionSaves` keeps it)."""
+
+    def __init__(self, keep: Callable[[torch.Tensor], None], attention: _FusedAttentionSaves) -> None:
+        super().__init__()
+        self.keep, self.attention = keep, attention
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        if func in KEPT_COMPUTE_OPS and not self.attention.inside:
+            for tensor in _tensors_in(output):
+                self.keep(tensor)
         return output
 
 
@@ -152,17 +181,21 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
     seen_block = [False, False]  # a block has started; a block has finished
     block_inputs: list[int] = []
     saved: dict[int, tuple[Any, _SavedRecord]] = {}
+    kept: dict[int, tuple[Any, _SavedRecord]] = {}
 
     def block_index(fqn: str) -> int | None:
         head = ".".join(fqn.split(".")[: len(blocks_fqn.split(".")) + 1]) if blocks_fqn else ""
         return block_of.get(head)
 
-    def record(key: Any, nbytes: int, is_float: bool) -> None:
+    def record(key: Any, nbytes: int, is_float: bool, into: dict | None = None) -> None:
         module_fqn = stack[-1] if stack else ""
         block = block_index(module_fqn)
         side = "last" if block is None and seen_block[1] else "first"
         # The key is kept referenced so that its id is not reused by a later tensor.
-        saved[id(key)] = (key, _SavedRecord(module_fqn, nbytes, is_float, block, side))
+        (saved if into is None else into)[id(key)] = (
+            key,
+            _SavedRecord(module_fqn, nbytes, is_float, block, side),
+        )
 
     def save(tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -174,7 +207,17 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
             save(tensor)
         return tensor
 
-    attention = _FusedAttentionSaves(save, lambda nbytes: record(object(), nbytes, True))
+    def keep(tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if id(storage) not in kept:
+            record(storage, storage.nbytes(), tensor.is_floating_point(), into=kept)
+
+    def keep_log_sum_exp(nbytes: int) -> None:
+        key = object()
+        record(key, nbytes, True)
+        kept[id(key)] = (key, saved[id(key)][1])
+
+    attention = _FusedAttentionSaves(save, keep_log_sum_exp, keep)
 
     def enter(fqn: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -200,7 +243,7 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
     args, kwargs = _example_inputs(model, micro_batch_size, sequence_length)
     try:
         saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
-        with saving, attention, GroupedMatmulShapes():
+        with saving, attention, GroupedMatmulShapes(), _KeptOutputs(keep, attention):
             outputs = functional_call(model, meta, args, kwargs)
         # The outputs (logits next to the loss) stay alive until backward, saved or not.
         for tensor in _tensors_in(outputs):
@@ -232,4 +275,5 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
         saved=tuple(record for _, record in saved.values()),
         block_input_bytes=max(block_inputs, default=0),
         module_parameters={fqn: names for fqn, names in owned.items() if names},
+        selective_kept=tuple(record for _, record in kept.values()),
     )

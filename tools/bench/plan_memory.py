@@ -9,9 +9,10 @@ Each plan is chosen by ``generate_plan(model, constraints, world_size=N)`` for a
 and applied with the component APIs on ``N`` CPU gloo ranks, one thread each:
 ``vescale.dmodule.deferred_init`` + ``parallelize_module`` with the plan's sharding plan (or
 ``materialize_module`` without tensor parallelism), ``vescale.doptim.data_parallel`` at the
-plan's ZeRO stage and ``DistributedOptimizer(AdamW)``, and the model's own gradient
-checkpointing (non-reentrant, per decoder layer) when the plan asks for
-``activation_checkpointing="full"``. Every dp rank trains on its own rows of the global batch.
+plan's ZeRO stage and ``DistributedOptimizer(AdamW)``, and, when the plan asks for
+``activation_checkpointing`` ``"full"`` or ``"selective"``, the checkpointing of each decoder
+layer that ``vescale.parallelize`` applies (training calls then pass ``use_cache=False``, as
+``vescale.parallelize`` does). Every dp rank trains on its own rows of the global batch.
 
 Measured: the peak resident-set growth per rank over the baseline taken after imports, the
 process group and one warm-up step of a tiny model (one-time library set-up: thread pools,
@@ -49,8 +50,20 @@ MICRO_BATCH = 2
 PLANS: dict[str, tuple[int, dict]] = {
     "dp2 ZeRO-1": (2, {"data_parallel.size": 2, "zero.stage": 1}),
     "dp2 ZeRO-1 ckpt": (2, {"data_parallel.size": 2, "zero.stage": 1, "activation_checkpointing": "full"}),
+    "dp2 ZeRO-1 selective": (
+        2,
+        {"data_parallel.size": 2, "zero.stage": 1, "activation_checkpointing": "selective"},
+    ),
     "dp2 ZeRO-3": (2, {"data_parallel.size": 2, "zero.stage": 3}),
     "tp2 SP": (2, {"tensor_parallel.size": 2, "sequence_parallel": True}),
+    "tp2 SP selective": (
+        2,
+        {"tensor_parallel.size": 2, "sequence_parallel": True, "activation_checkpointing": "selective"},
+    ),
+    "tp2 SP ckpt": (
+        2,
+        {"tensor_parallel.size": 2, "sequence_parallel": True, "activation_checkpointing": "full"},
+    ),
     "dp2xtp2 SP ZeRO-2": (4, {"data_parallel.size": 2, "tensor_parallel.size": 2, "zero.stage": 2}),
     # Chosen by generate_plan alone for a small budget: its measured peak must stay under it.
     "auto, 0.25 GiB": (2, {"memory_per_device_gb": 0.25}),
@@ -119,8 +132,10 @@ def _build(plan_json: str, mesh):
     else:
         materialize_module(model)
     model.train()
-    if plan.activation_checkpointing == "full":
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if plan.activation_checkpointing != "none":
+        from vescale.api._recompute import checkpoint_repeated_blocks
+
+        checkpoint_repeated_blocks(model, plan.activation_checkpointing)
     if plan.mesh_size("dp") > 1:
         data_parallel(model, mesh, zero_stage=plan.data_parallel.zero_stage)
     return model
@@ -167,7 +182,7 @@ def measure_rank(plan_json: str, steps: int, glibc_default: bool) -> dict:
         for _ in range(steps):
             for input_ids in micro_batches:
                 before_forward = _resident()
-                output = model(input_ids=input_ids, labels=input_ids)
+                output = model(input_ids=input_ids, labels=input_ids, use_cache=False)
                 # What the forward keeps (the last step's: the optimizer state exists by then).
                 forward_growth = _resident() - before_forward
                 output.loss.backward()

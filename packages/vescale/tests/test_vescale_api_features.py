@@ -9,15 +9,19 @@ on the per-step loss is the issue's 1e-4 relative, except for bf16 (see that tes
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import vescale
 from vescale.api.errors import ParallelizeError, PlanMismatchError, UnsupportedPlanError, WorldSizeError
 from vescale.api.parallelize import mesh_of
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
+from vescale.planner.selective import KEPT_COMPUTE_OPS
 
 LOSS_RTOL = 1e-4
 STEPS = 5
@@ -58,9 +62,23 @@ def max_relative_error(losses: list[float], reference: list[float]) -> float:
     return max(abs(loss - expected) / abs(expected) for loss, expected in zip(losses, reference, strict=True))
 
 
-def train_dp2(constraints: dict, compile_model: bool) -> dict:
-    """Train with ``constraints`` (dp2 unless they say otherwise); return losses, dtypes and how
-    often layer 0's MLP ran eagerly (outside a torch.compile'd graph)."""
+class MatmulCounter(TorchDispatchMode):
+    """Counts the matmuls and attention kernels that run (a selective recomputation's kept
+    outputs are returned from storage, never reaching this mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in KEPT_COMPUTE_OPS
+        return func(*args, **(kwargs or {}))
+
+
+def train_dp2(constraints: dict, compile_model: bool, count_matmuls: bool = False) -> dict:
+    """Train with ``constraints`` (dp2 unless they say otherwise); return losses, dtypes, how
+    often layer 0's MLP ran eagerly (outside a torch.compile'd graph) and, with
+    ``count_matmuls``, how many matmuls and attention kernels the steps ran."""
     config = tiny_hf_config("llama")
     vescale.manual_seed(0)
     model = vescale.deferred_init(transformers.AutoModelForCausalLM.from_config, config)
@@ -84,12 +102,14 @@ def train_dp2(constraints: dict, compile_model: bool) -> dict:
     dp_rank = mesh.get_local_rank("dp") if "dp" in dims else 0
     rows = GLOBAL_BATCH // dp_size
     losses = []
+    counter = MatmulCounter()
     for batch in global_batches(config.vocab_size):
         optimizer.zero_grad()
-        loss = model(
-            **{key: value[dp_rank * rows : (dp_rank + 1) * rows] for key, value in batch.items()}
-        ).loss
-        loss.backward()
+        with counter if count_matmuls else contextlib.nullcontext():
+            loss = model(
+                **{key: value[dp_rank * rows : (dp_rank + 1) * rows] for key, value in batch.items()}
+            ).loss
+            loss.backward()
         optimizer.step()
         losses.append(loss.item())
     master_dtypes = {str(param.dtype) for group in optimizer.param_groups for param in group["params"]}
@@ -99,7 +119,49 @@ def train_dp2(constraints: dict, compile_model: bool) -> dict:
         "master_dtypes": sorted(master_dtypes),
         "mlp_calls": len(mlp_input_dtypes),
         "compute_dtypes": sorted(set(mlp_input_dtypes)),
+        "matmuls": counter.count,
     }
+
+
+def train_each_recompute_mode(constraints: dict) -> dict[str, dict]:
+    return {
+        mode: train_dp2({**constraints, "activation_checkpointing": mode}, False, count_matmuls=True)
+        for mode in ("none", "selective", "full")
+    }
+
+
+# Selective recomputation keeps every matmul and attention output (vescale.planner.selective), so
+# its steps run exactly the matmuls of the steps without recomputation, while "full" runs each
+# block's again; both recompute the MLP's element-wise ops (its forward pre-hook runs again).
+@pytest.mark.parametrize(
+    "constraints",
+    [
+        {"micro_batch_size": 2},
+        {
+            "data_parallel.size": 1,
+            "tensor_parallel.size": 2,
+            "sequence_parallel": True,
+            "micro_batch_size": 4,
+        },
+        {
+            "data_parallel.size": 1,
+            "tensor_parallel.size": 2,
+            "sequence_parallel": False,
+            "micro_batch_size": 4,
+        },
+    ],
+    ids=["dp2", "tp2-sp", "tp2"],
+)
+def test_selective_recompute_trains_like_single_device_and_runs_no_matmul_twice(constraints):
+    reference = reference_losses()
+    for result in run_on_ranks(train_each_recompute_mode, world_size=2, args=(constraints,), timeout_s=300):
+        for mode, run in result.items():
+            error = max_relative_error(run["losses"], reference)
+            print(constraints, mode, f"max relative loss error {error:.2e}, {run['matmuls']} matmuls")
+            assert error <= LOSS_RTOL
+        assert result["selective"]["matmuls"] == result["none"]["matmuls"] < result["full"]["matmuls"]
+        assert result["none"]["mlp_calls"] == STEPS
+        assert result["selective"]["mlp_calls"] == result["full"]["mlp_calls"] == 2 * STEPS
 
 
 @pytest.mark.parametrize(
@@ -189,12 +251,6 @@ def api_error_messages() -> dict[str, str]:
     with pytest.raises(ParallelizeError) as error:
         vescale.parallelize(model, gpt2_plan)
     messages["argument_order"] = str(error.value)
-    selective = vescale.generate_plan(
-        model, {"data_parallel.size": 2, "activation_checkpointing": "selective", "global_batch_size": 4}
-    )
-    with pytest.raises(UnsupportedPlanError) as error:
-        vescale.parallelize(selective, model)
-    messages["selective"] = str(error.value)
     with pytest.raises(ParallelizeError) as error:
         mesh_of(model)
     messages["mesh_of"] = str(error.value)
@@ -214,7 +270,6 @@ def test_parallelize_errors_say_what_is_wrong_and_how_to_fix_it():
     assert "world_size=2" in messages["world_size"]
     assert "does not fit LlamaForCausalLM (was the plan made for another model?)" in messages["other_model"]
     assert "argument order is plan, model" in messages["argument_order"]
-    assert "'selective' is not implemented" in messages["selective"]
     assert "not a model returned by vescale.parallelize" in messages["mesh_of"]
     assert "eager attention on a dp x tp mesh (dp=2, tp=2)" in messages["compile_eager_attention"]
     assert "attn_implementation='sdpa'" in messages["compile_eager_attention"]

@@ -96,7 +96,7 @@ class ParallelizedModel(nn.Module):
         # What a call runs: the module, or its torch.compile'd form (kept out of the module tree so
         # that parameters and state_dict keys stay the module's).
         self.__dict__["_call_module"] = module
-        # Set by compile_module(per_block=True): training calls then pass use_cache=False.
+        # Set by turn_cache_off_in_training: training calls then pass use_cache=False.
         self._cache_off_in_training = False
         self.mesh = mesh
         self.num_microbatches = num_microbatches
@@ -137,6 +137,15 @@ class ParallelizedModel(nn.Module):
         # them as extra DTensor outputs that need a gradient and never get one, and torch 2.13's AOT
         # autograd fails in backward ("Expected a DTensor tangent but got a plain Tensor",
         # pytorch/pytorch#172556). A training step never reads the cache.
+        self.turn_cache_off_in_training()
+
+    def turn_cache_off_in_training(self) -> None:
+        """Pass ``use_cache=False`` to calls with gradients, when the module's forward takes it.
+
+        For compiled blocks (see :meth:`compile_module`) and recomputed ones: a recomputation
+        would append each block's keys and values to a ``transformers`` KV cache a second time,
+        and selective recomputation then finds other ops than the forward ran.
+        """
         try:
             accepted = inspect.signature(self.module.forward).parameters
         except (TypeError, ValueError):

@@ -1,10 +1,19 @@
-"""Activation checkpointing ``"full"``: every repeated block recomputes its forward during backward.
+"""Activation checkpointing of every repeated block: ``"full"`` or ``"selective"`` recomputation.
 
 The repeated blocks are the elements of the model's ``nn.ModuleList``s (a transformer's
 layers); each one's ``forward`` is replaced on the instance by a call through
 ``torch.utils.checkpoint`` (non-reentrant), so the model's class, its module tree and its
 ``state_dict`` keys stay as they were, and hooks that other packages put on the block
 (dmodule's placements, FSDP2's unshard) run around the checkpointed call as before.
+
+* ``"full"``: a block keeps only its input; backward recomputes its whole forward.
+* ``"selective"``: a block also keeps the outputs of its matmuls, attention kernels and
+  tensor-parallel reductions (``vescale.planner.selective``, which the planner's memory
+  estimate counts too); backward recomputes only the cheap ops between them.
+
+A ``transformers`` KV cache would be filled again by each recomputation (and keeps every
+block's keys and values alive), so ``vescale.parallelize`` passes ``use_cache=False`` to the
+training calls of a checkpointed model, as ``transformers``' own gradient checkpointing does.
 
 Example::
 
@@ -19,15 +28,26 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from vescale.api.errors import UnsupportedPlanError
+from vescale.planner.selective import selective_policy
 
 __all__ = ["checkpoint_repeated_blocks", "repeated_blocks"]
+
+RECOMPUTE_MODES = ("full", "selective")
 
 
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _selective_contexts() -> Any:
+    return create_selective_checkpoint_contexts(selective_policy)
+
+
+def _selectively_checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
 
 
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -48,21 +68,30 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return blocks
 
 
-def checkpoint_repeated_blocks(model: nn.Module) -> list[str]:
+def checkpoint_repeated_blocks(model: nn.Module, mode: str = "full") -> list[str]:
     """Make each element of every ``nn.ModuleList`` of ``model`` recompute its forward; return their FQNs.
+
+    ``mode``: ``"full"`` (recompute everything) or ``"selective"`` (keep the matmul, attention and
+    reduction outputs; see the module docstring).
 
     Example::
 
-        names = checkpoint_repeated_blocks(model)
+        names = checkpoint_repeated_blocks(model, "selective")
         assert names == [f"model.layers.{i}" for i in range(config.num_hidden_layers)]
     """
+    if mode not in RECOMPUTE_MODES:
+        raise UnsupportedPlanError(
+            f"activation checkpointing mode {mode!r} is not one of {RECOMPUTE_MODES} ('none' "
+            "checkpoints nothing: do not call checkpoint_repeated_blocks)"
+        )
     blocks = repeated_blocks(model)
     if not blocks:
         raise UnsupportedPlanError(
-            f"activation_checkpointing='full' checkpoints each repeated block (an element of an "
+            f"activation_checkpointing={mode!r} checkpoints each repeated block (an element of an "
             f"nn.ModuleList), but {type(model).__name__} has no nn.ModuleList; set "
             "activation_checkpointing to 'none'"
         )
+    wrapper = _checkpointed if mode == "full" else _selectively_checkpointed
     for _, block in blocks:
-        block.forward = functools.partial(_checkpointed, block.forward)
+        block.forward = functools.partial(wrapper, block.forward)
     return [name for name, _ in blocks]

@@ -8,7 +8,7 @@ Order of composition (each step needs the previous one's placements):
    materialised here, each rank allocating only its tp shards (without tp: full tensors);
 3. mixed precision ``"bf16"``: parameters and activations in bfloat16 (the optimizer keeps fp32
    master weights and state, step 6);
-4. activation checkpointing ``"full"`` on every repeated block;
+4. activation checkpointing ``"full"`` or ``"selective"`` on every repeated block;
 5. pipeline stages (dpipe, ``plan.pipeline`` over ``pp``);
 6. data parallelism and ZeRO (doptim, ``plan.data_parallel`` over ``dp``), then the optimizer
    ``DistributedOptimizer(optimizer_fn(model))`` and ``lr_scheduler_fn(optimizer)``;
@@ -165,13 +165,8 @@ def _parallel_module(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> nn.Modul
     _apply_tensor_parallel(plan, model, mesh)
     if plan.mixed_precision == "bf16" and plan.data_parallel.zero_stage < 3:
         model.to(torch.bfloat16)
-    if plan.activation_checkpointing == "full":
-        checkpoint_repeated_blocks(model)
-    elif plan.activation_checkpointing == "selective":
-        raise UnsupportedPlanError(
-            "activation_checkpointing='selective' is not implemented by vescale.parallelize yet; use "
-            "'full' (every repeated block recomputed) or 'none'"
-        )
+    if plan.activation_checkpointing != "none":
+        checkpoint_repeated_blocks(model, plan.activation_checkpointing)
     module = _apply_pipeline(plan, model, mesh) if plan.pipeline is not None else model
     _apply_data_parallel(plan, module, mesh)
     return module
@@ -195,6 +190,12 @@ def parallelize(
     ``lr_scheduler_fn`` receives that optimizer; ``dataset`` (with ``loader_kwargs``) becomes a
     :class:`vescale.DistributedDataLoader` of ``plan.global_batch_size``. Every rank gets the
     whole global batch's loss from ``model(**batch).loss``.
+
+    ``plan.activation_checkpointing`` ``"full"`` or ``"selective"`` checkpoints each repeated
+    block (``vescale.planner.selective`` says what selective keeps); training calls of such a
+    model pass ``use_cache=False`` when its forward takes ``use_cache`` and the batch does not
+    set it, as ``transformers``' own gradient checkpointing does (a recomputation would fill
+    the KV cache twice).
 
     ``compile=True`` compiles the whole model with ``torch.compile``, except with tensor
     parallelism (``tp > 1``): then it compiles the ``forward`` of each repeated block (each
@@ -229,6 +230,8 @@ def parallelize(
         pipelined=plan.pipeline is not None,
         user_model=model,
     )
+    if plan.activation_checkpointing != "none":
+        parallel_model.turn_cache_off_in_training()
     if compile:
         parallel_model.compile_module(per_block=plan.mesh_size("tp") > 1)
     optimizer = DistributedOptimizer(optimizer_fn(module)) if optimizer_fn is not None else None

@@ -304,3 +304,28 @@ def test_ranks_that_leave_at_once_never_break_a_peer_still_joining_the_group():
         with pytest.raises(ValueError, match="rank zero leaves at once"):
             run_on_ranks(fail_at_once_on_rank_zero, world_size=4, timeout_s=60)
     assert run_on_ranks(all_reduce_rank_numbers, world_size=4) == [6.0] * 4
+
+
+def live_threads_after_leaking(count: int) -> int:
+    """Start ``count`` threads that outlive the run, as leaked gloo process groups' threads do."""
+    import threading
+
+    stop = threading.Event()
+    for _ in range(count):
+        threading.Thread(target=stop.wait, daemon=True).start()
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+def test_ranks_left_with_too_many_threads_are_replaced_before_the_next_run():
+    from vescale.dtensor.testing._rank_pool import RECYCLE_AFTER_THREADS
+
+    run_on_ranks(live_threads_after_leaking, world_size=2, args=(0,))
+    pids = rank_pool().pids
+    run_on_ranks(live_threads_after_leaking, world_size=2, args=(2,))  # a few: the ranks are kept
+    assert rank_pool().pids == pids
+    threads = run_on_ranks(live_threads_after_leaking, world_size=2, args=(RECYCLE_AFTER_THREADS,))
+    assert min(threads) > RECYCLE_AFTER_THREADS
+    assert rank_pool().pids == []  # closed after that run; the next run starts new ranks
+    assert max(run_on_ranks(live_threads_after_leaking, world_size=2, args=(0,))) < RECYCLE_AFTER_THREADS
+    assert not set(rank_pool().pids) & set(pids)

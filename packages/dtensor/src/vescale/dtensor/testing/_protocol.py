@@ -41,3 +41,4 @@ class RunReply:
     seconds: float = 0.0
     failed_at: float = 0.0  # time.time() when the exception was caught: the first one is the cause
     in_setup: bool = False  # failed while joining the process group: the rank process is spent
+    threads: int = 0  # threads alive in the rank process after the run (its process group destroyed)

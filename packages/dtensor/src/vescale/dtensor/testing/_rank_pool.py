@@ -6,6 +6,12 @@ pays that every time. The pool pays it once per rank process: each run sends the
 run the function, destroy the group and reply. A run that times out, crashes or leaves
 ranks stuck after another rank's failure kills the whole pool (process groups included);
 the next run starts new ranks.
+
+Destroying a process group does not free it while Python objects of the run still refer to
+it (a model whose gradient hooks form a cycle through C++; torch's own redistribute-planner
+cache), and each leaked gloo group keeps three threads that wake up and burn CPU: after ~250
+of them a rank idled at a third of a core. A pool whose ranks report more than
+``RECYCLE_AFTER_THREADS`` threads after a run is closed, so the next run starts new ranks.
 """
 
 from __future__ import annotations
@@ -38,9 +44,11 @@ from vescale.dtensor.testing.errors import (
     RemoteTraceback,
 )
 
-__all__ = ["MAX_WORLD_SIZE", "RankPool", "mark_rank_process"]
+__all__ = ["MAX_WORLD_SIZE", "RECYCLE_AFTER_THREADS", "RankPool", "mark_rank_process"]
 
 MAX_WORLD_SIZE = 8
+# A fresh rank has ~4 threads, and each leaked gloo process group adds 3 (see the docstring).
+RECYCLE_AFTER_THREADS = 64
 STARTUP_TIMEOUT_S = 300.0
 STACK_DUMP_WAIT_S = 2.0
 # Multi-rank runs of every test process on this machine take turns through this lock, so
@@ -176,6 +184,8 @@ class RankPool:
                 raise
         if failure is not None:
             raise failure
+        if max(reply.threads for reply in replies.values()) > RECYCLE_AFTER_THREADS:
+            self.close()  # leaked process groups' threads (see the module docstring)
         return [pickle.loads(replies[rank].value) for rank in range(world_size)]
 
     def close(self, *, kill: bool = False) -> None:

@@ -9,12 +9,14 @@ parent sends before killing a rank that overran its timeout.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import replace
@@ -68,6 +70,13 @@ def _failure_reply(rank: int, error: BaseException, started: float, *, in_setup:
         failed_at=failed_at,
         in_setup=in_setup,
     )
+
+
+def _live_threads() -> int:
+    """The threads of this process, native ones included (gloo's), where the OS lists them."""
+    with contextlib.suppress(OSError):
+        return len(os.listdir("/proc/self/task"))
+    return threading.active_count()
 
 
 def _run(request: RunRequest) -> RunReply:
@@ -125,7 +134,7 @@ def main(argv: list[str]) -> None:
             return
         os.truncate(output_file, 0)
         reply = _run(request)
-        connection.send(replace(reply, output=_read_output(output_file)))
+        connection.send(replace(reply, output=_read_output(output_file), threads=_live_threads()))
 
 
 if __name__ == "__main__":

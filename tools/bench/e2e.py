@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/bench/e2e.py                 # dp2 x tp2 on 4 CPU ranks, tiny Llama
     .venv/bin/python tools/bench/e2e.py --steps 10 --repeats 3
+    .venv/bin/python tools/bench/e2e.py --variants "vescale dp2×tp2 sdpa" "vescale dp2×tp2 sdpa selective"
 
 Variants, each on the same 4 gloo ranks (one thread each), the same ``transformers`` Llama
 (``--hidden`` wide, ``--layers`` deep, seed 0) and the same batches (``--batch`` rows of
@@ -18,7 +19,10 @@ Variants, each on the same 4 gloo ranks (one thread each), the same ``transforme
   torch 2.13 cannot trace eager attention's 4-D ``matmul`` on head-sharded DTensors of a 2-D mesh
   ("Sharding propagation failed for aten.bmm.default" on ``_StridedShard`` under fake tensors);
 * ``vescale dp4`` and ``vescale dp4+compile``: eager vs ``compile=True`` on a dp4 plan (ZeRO-0,
-  the whole model compiled).
+  the whole model compiled);
+* ``vescale dp2×tp2 sdpa selective`` and ``... full``, eager and ``+compile``: the sdpa plan with
+  ``activation_checkpointing`` ``"selective"`` (backward recomputes no matmul) and ``"full"``
+  (backward recomputes each layer whole): what recomputation costs per step.
 
 Step time is fwd + bwd + optimizer step + ``zero_grad`` between barriers, the slowest rank's,
 median over ``--steps`` steps after ``--warmup`` warm-up steps (compilation happens there).
@@ -44,7 +48,8 @@ from vescale.dtensor.testing.models.tp_plans import apply_tensor_parallel
 
 COMPILED_TP = "vescale dp2×tp2 sdpa+compile"
 EAGER_SDPA = "vescale dp2×tp2 sdpa"  # the compiled row's eager twin
-VARIANTS = ("native", "vescale", EAGER_SDPA, COMPILED_TP, "vescale dp4", "vescale dp4+compile")
+RECOMPUTED = {f"{base} {mode}": mode for base in (EAGER_SDPA, COMPILED_TP) for mode in ("selective", "full")}
+VARIANTS = ("native", "vescale", EAGER_SDPA, COMPILED_TP, "vescale dp4", "vescale dp4+compile", *RECOMPUTED)
 
 
 def _config(hidden: int, layers: int, attention: str = "eager") -> transformers.LlamaConfig:
@@ -91,7 +96,7 @@ def step_seconds(
     variant: str, hidden: int, layers: int, batch: int, seq: int, warmup: int, steps: int
 ) -> float:
     """The median step time of ``variant`` on this rank's share (all ranks agree after the max-reduce)."""
-    config = _config(hidden, layers, "sdpa" if variant in (COMPILED_TP, EAGER_SDPA) else "eager")
+    config = _config(hidden, layers, "sdpa" if variant.startswith((COMPILED_TP, EAGER_SDPA)) else "eager")
     dp = 4 if "dp4" in variant else 2
     if variant == "native":
         model, optimizer = _native(config)
@@ -100,8 +105,9 @@ def step_seconds(
         if dp == 2:
             constraints = {"data_parallel.size": 2, "tensor_parallel.size": 2, "zero.stage": 3}
             constraints["sequence_parallel"] = False  # the native set-up has none
+            constraints["activation_checkpointing"] = RECOMPUTED.get(variant, "none")
         constraints.update({"global_batch_size": dp * batch, "micro_batch_size": batch})
-        model, optimizer = _vescale(config, constraints, compile_model=variant.endswith("+compile"))
+        model, optimizer = _vescale(config, constraints, compile_model="+compile" in variant)
     # Each dp rank's own rows (the tp ranks of one dp rank share them).
     generator = torch.Generator().manual_seed(dist.get_rank() // (4 // dp))
     input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
@@ -131,12 +137,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     args = parser.parse_args()
+    variants = ["native", *(variant for variant in args.variants if variant != "native")]
     shape = (args.hidden, args.layers, args.batch, args.seq, args.warmup, args.steps)
-    seconds: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    seconds: dict[str, list[float]] = {variant: [] for variant in variants}
     try:
         for _ in range(args.repeats):
-            for variant in VARIANTS:
+            for variant in variants:
                 seconds[variant].append(
                     run_on_ranks(step_seconds, 4, args=(variant, *shape), timeout_s=900)[0]
                 )
@@ -148,7 +156,7 @@ def main() -> None:
     print(f"Llama hidden={args.hidden} layers={args.layers}, {tokens}, {args.repeats} repeat(s); {meshes}")
     print("| variant | step time (ms), median of repeats | min-max (ms) | ratio to native |")
     print("|---|---|---|---|")
-    for variant in VARIANTS:
+    for variant in variants:
         median = statistics.median(seconds[variant])
         spread = f"{min(seconds[variant]) * 1e3:.1f}-{max(seconds[variant]) * 1e3:.1f}"
         print(f"| {variant} | {median * 1e3:.1f} | {spread} | {median / native:.2f} |")

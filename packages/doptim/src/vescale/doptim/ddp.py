@@ -31,7 +31,8 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,18 @@ def dp_mesh_dim_index(device_mesh: DeviceMesh, mesh_dim: str) -> int:
             f"that dim, e.g. init_mesh({mesh_dim}=2, tp=2), or pass one of {names}"
         )
     return names.index(mesh_dim)
+
+
+def _weak_gradient_hook(ddp: DDP) -> Callable[[torch.Tensor], None]:
+    """``ddp._on_gradient`` through a weak reference (see ``DDP.__init__``)."""
+    reference = weakref.ref(ddp)
+
+    def on_gradient(param: torch.Tensor) -> None:
+        owner = reference()
+        if owner is not None:
+            owner._on_gradient(param)
+
+    return on_gradient
 
 
 def data_parallel_of(module_or_param: nn.Module | torch.Tensor) -> DDP | None:
@@ -167,8 +180,12 @@ class DDP:
         self._reductions: dict[int, BucketReduction] = {}
         # Parameters whose gradient does not have the bucket's dtype: which ones the bucket holds a value of.
         self._accumulated: set[int] = set()
+        # The hooks hold this DDP weakly: torch keeps a parameter's hooks from C++, where the garbage
+        # collector cannot see them, so a strong hook -> DDP -> module -> parameter cycle would keep
+        # a dropped model (and its process groups) alive for the life of the process.
+        on_gradient = _weak_gradient_hook(self)
         self._hook_handles = [
-            param.register_post_accumulate_grad_hook(self._on_gradient) for _, param in named_parameters
+            param.register_post_accumulate_grad_hook(on_gradient) for _, param in named_parameters
         ]
         setattr(module, DATA_PARALLEL_ATTRIBUTE, self)
         for _, param in named_parameters:

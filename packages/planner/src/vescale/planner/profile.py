@@ -187,20 +187,17 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
         head = ".".join(fqn.split(".")[: len(blocks_fqn.split(".")) + 1]) if blocks_fqn else ""
         return block_of.get(head)
 
-    def record(key: Any, nbytes: int, is_float: bool, into: dict | None = None) -> None:
+    def record(key: Any, nbytes: int, is_float: bool, into: dict) -> None:
         module_fqn = stack[-1] if stack else ""
         block = block_index(module_fqn)
         side = "last" if block is None and seen_block[1] else "first"
         # The key is kept referenced so that its id is not reused by a later tensor.
-        (saved if into is None else into)[id(key)] = (
-            key,
-            _SavedRecord(module_fqn, nbytes, is_float, block, side),
-        )
+        into[id(key)] = (key, _SavedRecord(module_fqn, nbytes, is_float, block, side))
 
-    def save(tensor: torch.Tensor) -> None:
+    def save(tensor: torch.Tensor, into: dict = saved) -> None:
         storage = tensor.untyped_storage()
-        if id(storage) not in parameter_storages and id(storage) not in saved:
-            record(storage, storage.nbytes(), tensor.is_floating_point())
+        if id(storage) not in parameter_storages and id(storage) not in into:
+            record(storage, storage.nbytes(), tensor.is_floating_point(), into)
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         if not attention.inside:
@@ -208,14 +205,12 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
         return tensor
 
     def keep(tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        if id(storage) not in kept:
-            record(storage, storage.nbytes(), tensor.is_floating_point(), into=kept)
+        save(tensor, into=kept)
 
     def keep_log_sum_exp(nbytes: int) -> None:
-        key = object()
-        record(key, nbytes, True)
-        kept[id(key)] = (key, saved[id(key)][1])
+        key = object()  # saved for backward, and kept by selective checkpointing
+        for into in (saved, kept):
+            record(key, nbytes, True, into)
 
     attention = _FusedAttentionSaves(save, keep_log_sum_exp, keep)
 

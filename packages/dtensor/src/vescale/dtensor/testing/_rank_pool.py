@@ -7,10 +7,10 @@ run the function, destroy the group and reply. A run that times out, crashes or 
 ranks stuck after another rank's failure kills the whole pool (process groups included);
 the next run starts new ranks.
 
-Destroying a process group does not free it while Python objects of the run still refer to
-it (a model whose gradient hooks form a cycle through C++; torch's own redistribute-planner
-cache), and each leaked gloo group keeps three threads that wake up and burn CPU: after ~250
-of them a rank idled at a third of a core. A pool whose ranks report more than
+Destroying a process group does not free it while objects of the run still refer to it
+(torch's own redistribute-planner cache keeps every mesh it has seen), and each leaked gloo
+group keeps three threads that wake up and burn CPU: ranks of ~750 threads ran at 20-27% of a
+core between runs of a CI suite. A pool whose ranks report more than
 ``RECYCLE_AFTER_THREADS`` threads after a run is closed, so the next run starts new ranks.
 """
 

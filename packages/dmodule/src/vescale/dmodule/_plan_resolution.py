@@ -1,4 +1,4 @@
-"""Matching a :class:`~vescale.dmodule.sharding_plan.ShardingPlan` against a module.
+"""Matching a sharding plan's entries against a module, and the result: :class:`ResolvedShardingPlan`.
 
 Each parameter FQN and module FQN gets the placements of the last plan entry whose pattern
 matches it (the documented precedence), expanded to one placement per mesh dim. Every
@@ -6,31 +6,69 @@ pattern must match something, tied parameters must agree, and every parameter pl
 must be possible for the parameter's shape; the errors name the FQN, the shape, the mesh
 and the fix. Nothing is applied here: resolution either succeeds whole or raises.
 
+This module reads the plan's entries, not the plan type, so that
+:class:`~vescale.dmodule.sharding_plan.ShardingPlan` (whose ``resolve`` calls
+:func:`resolve_plan`) is the one owner of the plan and nothing here imports it back.
+
 Example::
 
-    resolved = resolve_plan(plan, model, mesh_shape=(2,), mesh_dim=0)
+    resolved = resolve_plan(plan.parameter, plan.forward, model, mesh_shape=(2,), mesh_dim=0)
     resolved.parameters["fc1.weight"].placements   # (Shard(dim=0),)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from vescale.dmodule._plan_fqns import compiled_pattern, no_match_message
+from vescale.dmodule._tensor_placements import AnyPlacement, ForwardPlacements, TensorPlacements
 from vescale.dmodule.errors import ShardingPlanError
-from vescale.dmodule.sharding_plan import (
-    ForwardPlacements,
-    ResolvedSharding,
-    ResolvedShardingPlan,
-    ShardingPlan,
-    TensorPlacements,
-)
 from vescale.dtensor.placements import InterleavedShard, placement_to_string
 
-__all__ = ["resolve_plan"]
+__all__ = ["ResolvedSharding", "ResolvedShardingPlan", "resolve_plan"]
+
+ParameterEntries = Sequence[tuple[str, TensorPlacements]]
+ForwardEntries = Sequence[tuple[str, str, ForwardPlacements]]
+
+
+@dataclass(frozen=True)
+class ResolvedSharding:
+    """What the plan decided for one tensor: full-mesh placements and the deciding pattern."""
+
+    placements: tuple[AnyPlacement, ...]
+    pattern: str
+
+
+@dataclass(frozen=True)
+class ResolvedShardingPlan:
+    """A plan matched against one module (see :meth:`ShardingPlan.resolve`).
+
+    Example::
+
+        resolved.parameters["lm_head.weight"]       # ResolvedSharding((Shard(dim=0),), 'lm_head\\.weight')
+        resolved.inputs["model.layers.0.mlp"]        # ForwardPlacements on the full mesh
+    """
+
+    parameters: Mapping[str, ResolvedSharding] = field(default_factory=dict)
+    inputs: Mapping[str, tuple[ForwardPlacements, str]] = field(default_factory=dict)
+    outputs: Mapping[str, tuple[ForwardPlacements, str]] = field(default_factory=dict)
+
+    def format_table(self) -> str:
+        """One line per sharded parameter and per forward hook: FQN, placements, pattern."""
+        rows = [("parameter", fqn, _describe(s.placements), s.pattern) for fqn, s in self.parameters.items()]
+        for kind, entries in (("input", self.inputs), ("output", self.outputs)):
+            rows += [(kind, fqn, json.dumps(p.to_json()), pattern) for fqn, (p, pattern) in entries.items()]
+        header = ("kind", "fqn", "placements", "from pattern")
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+        return "\n".join(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+            for row in [header, *rows]
+        )
 
 
 def _on_full_mesh(
@@ -95,16 +133,28 @@ def _check_tied(parameters: dict[str, nn.Parameter], resolved: dict[str, Resolve
             )
 
 
-def _describe(placements: TensorPlacements | None) -> str:
+def _describe(placements: Sequence[AnyPlacement] | None) -> str:
     if placements is None:
         return "none"
     return "[" + ", ".join(placement_to_string(placement) for placement in placements) + "]"
 
 
 def resolve_plan(
-    plan: ShardingPlan, module: nn.Module, mesh_shape: tuple[int, ...], mesh_dim: int
+    parameter: ParameterEntries,
+    forward: ForwardEntries,
+    module: nn.Module,
+    *,
+    mesh_shape: tuple[int, ...],
+    mesh_dim: int,
 ) -> ResolvedShardingPlan:
-    """What ``plan`` decides for each parameter and module of ``module`` (see the module docstring)."""
+    """What a plan's ``parameter`` and ``forward`` entries decide for each parameter and module
+    of ``module`` (see the module docstring); later entries win on overlap.
+
+    Example::
+
+        resolved = resolve_plan(plan.parameter, plan.forward, model, mesh_shape=(2,), mesh_dim=0)
+        print(resolved.format_table())
+    """
     if not 0 <= mesh_dim < len(mesh_shape):
         raise ShardingPlanError(
             f"mesh dim {mesh_dim} does not exist in a mesh of shape {mesh_shape}; "
@@ -112,7 +162,7 @@ def resolve_plan(
         )
     parameters = dict(module.named_parameters(remove_duplicate=False))
     resolved_parameters: dict[str, ResolvedSharding] = {}
-    for pattern, placements in plan.parameter:
+    for pattern, placements in parameter:
         where = f"parameter['{pattern}']"
         regex = compiled_pattern(pattern)
         matched = [fqn for fqn in parameters if regex.fullmatch(fqn)]
@@ -125,8 +175,8 @@ def resolve_plan(
     _check_tied(parameters, resolved_parameters)
 
     module_fqns = [fqn for fqn, _ in module.named_modules(remove_duplicate=False)]
-    forward: dict[str, dict[str, tuple[ForwardPlacements, str]]] = {"input": {}, "output": {}}
-    for pattern, suffix, placements in plan.forward:
+    by_suffix: dict[str, dict[str, tuple[ForwardPlacements, str]]] = {"input": {}, "output": {}}
+    for pattern, suffix, placements in forward:
         regex = compiled_pattern(pattern)
         matched = [fqn for fqn in module_fqns if regex.fullmatch(fqn)]
         key = f"{pattern}.{suffix}" if pattern else suffix
@@ -134,7 +184,7 @@ def resolve_plan(
             raise ShardingPlanError(no_match_message("forward", key, pattern, "module", module_fqns))
         full = _forward_on_full_mesh(placements, mesh_shape, mesh_dim, f"forward['{key}']")
         for fqn in matched:
-            forward[suffix][fqn] = (full, pattern)
+            by_suffix[suffix][fqn] = (full, pattern)
     return ResolvedShardingPlan(
-        parameters=resolved_parameters, inputs=forward["input"], outputs=forward["output"]
+        parameters=resolved_parameters, inputs=by_suffix["input"], outputs=by_suffix["output"]
     )

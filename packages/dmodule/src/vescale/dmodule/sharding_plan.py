@@ -33,21 +33,24 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import Partial, Placement
+from torch.distributed.tensor import Partial
 
 from vescale.dmodule._plan_fqns import closest_names, compiled_pattern
-from vescale.dmodule.errors import ShardingPlanError
-from vescale.dtensor.placements import (
-    InterleavedShard,
-    PlacementError,
-    placement_from_string,
-    placement_to_string,
+from vescale.dmodule._plan_resolution import ResolvedSharding, ResolvedShardingPlan, resolve_plan
+from vescale.dmodule._tensor_placements import (
+    ForwardPlacements,
+    TensorPlacements,
+    parse_tensor_placements,
+    tensor_placements_to_json,
 )
+from vescale.dmodule.errors import ShardingPlanError
 
+# ForwardPlacements, TensorPlacements and the resolved types are owned by the two modules
+# above and re-exported here, where users of a plan look for them.
 __all__ = [
     "FORWARD_SUFFIXES",
     "PLAN_SECTIONS",
@@ -60,76 +63,6 @@ __all__ = [
 
 PLAN_SECTIONS = ("parameter", "forward")
 FORWARD_SUFFIXES = ("input", "output")
-
-AnyPlacement = Placement | InterleavedShard
-TensorPlacements = tuple[AnyPlacement, ...]
-"""One placement (for the plan's mesh dim) or one per mesh dim."""
-
-
-def _parse_placement(value: Any, where: str) -> AnyPlacement:
-    if isinstance(value, Placement | InterleavedShard):
-        return value
-    try:
-        return placement_from_string(value)
-    except PlacementError as error:
-        raise ShardingPlanError(f"{where}: {error}") from None
-
-
-def _parse_tensor_placements(value: Any, where: str) -> TensorPlacements:
-    if isinstance(value, list | tuple):
-        if not value:
-            raise ShardingPlanError(f'{where}: an empty placement list; write e.g. "R" or ["R", "S(0)"]')
-        return tuple(_parse_placement(item, where) for item in value)
-    return (_parse_placement(value, where),)
-
-
-def _tensor_placements_to_json(placements: TensorPlacements) -> str | list[str]:
-    texts = [placement_to_string(placement) for placement in placements]
-    return texts[0] if len(texts) == 1 else texts
-
-
-@dataclass(frozen=True)
-class ForwardPlacements:
-    """Placements of a module's positional and keyword tensors (inputs) or of its outputs.
-
-    Example::
-
-        ForwardPlacements.from_json(["R", None]).args            # ((Replicate(),), None)
-        ForwardPlacements.from_json({"hidden_states": "S(1)"}).kwargs
-    """
-
-    args: tuple[TensorPlacements | None, ...] = ()
-    kwargs: tuple[tuple[str, TensorPlacements | None], ...] = ()
-
-    @classmethod
-    def from_json(cls, value: Any, where: str = "forward") -> ForwardPlacements:
-        """Parse a list (by position) or dict (by name) of per-tensor placements."""
-        if isinstance(value, ForwardPlacements):
-            return value
-        if isinstance(value, Mapping):
-            kwargs = tuple(
-                (str(name), None if item is None else _parse_tensor_placements(item, f"{where}[{name!r}]"))
-                for name, item in value.items()
-            )
-            return cls(kwargs=kwargs)
-        if isinstance(value, list | tuple):
-            args = tuple(
-                None if item is None else _parse_tensor_placements(item, f"{where}[{index}]")
-                for index, item in enumerate(value)
-            )
-            return cls(args=args)
-        raise ShardingPlanError(
-            f"{where}: expected a list (one item per positional tensor) or a dict (by name), got "
-            f'{value!r}; write e.g. ["R"] or {{"hidden_states": "S(1)"}}'
-        )
-
-    def to_json(self) -> list | dict:
-        """The JSON form: a list when only positions are given, else a dict by name."""
-        if self.kwargs and not self.args:
-            return {name: None if p is None else _tensor_placements_to_json(p) for name, p in self.kwargs}
-        if self.kwargs:
-            raise ShardingPlanError("a forward entry mixes positions and names; give one or the other")
-        return [None if p is None else _tensor_placements_to_json(p) for p in self.args]
 
 
 def _split_forward_key(key: str) -> tuple[str, str]:
@@ -173,7 +106,7 @@ class ShardingPlan:
                 hint = f"; did you mean {suggestion[0]!r}?" if suggestion else ""
                 raise ShardingPlanError(f"unknown plan key '{key}'{hint} A plan has the keys {PLAN_SECTIONS}")
         parameter = tuple(
-            (str(pattern), _parse_tensor_placements(value, f"parameter['{pattern}']"))
+            (str(pattern), parse_tensor_placements(value, f"parameter['{pattern}']"))
             for pattern, value in _section(plan, "parameter").items()
         )
         forward = []
@@ -206,7 +139,7 @@ class ShardingPlan:
         for pattern, suffix, placements in self.forward:
             forward[f"{pattern}.{suffix}" if pattern else suffix] = placements.to_json()
         return {
-            "parameter": {pattern: _tensor_placements_to_json(p) for pattern, p in self.parameter},
+            "parameter": {pattern: tensor_placements_to_json(p) for pattern, p in self.parameter},
             "forward": forward,
         }
 
@@ -229,9 +162,9 @@ class ShardingPlan:
             resolved = plan.resolve(model, mesh_shape=(2, 2), mesh_dim=1)
             print(resolved.format_table())
         """
-        from vescale.dmodule._plan_resolution import resolve_plan
-
-        return resolve_plan(self, module, tuple(mesh_shape), mesh_dim)
+        return resolve_plan(
+            self.parameter, self.forward, module, mesh_shape=tuple(mesh_shape), mesh_dim=mesh_dim
+        )
 
 
 def _section(plan: Mapping[str, Any], name: str) -> Mapping[str, Any]:
@@ -241,42 +174,3 @@ def _section(plan: Mapping[str, Any], name: str) -> Mapping[str, Any]:
             f"plan[{name!r}] must be a dict of pattern -> placements, got {type(section).__name__}"
         )
     return section
-
-
-@dataclass(frozen=True)
-class ResolvedSharding:
-    """What the plan decided for one tensor: full-mesh placements and the deciding pattern."""
-
-    placements: tuple[AnyPlacement, ...]
-    pattern: str
-
-
-@dataclass(frozen=True)
-class ResolvedShardingPlan:
-    """A plan matched against one module (see :meth:`ShardingPlan.resolve`).
-
-    Example::
-
-        resolved.parameters["lm_head.weight"]       # ResolvedSharding((Shard(dim=0),), 'lm_head\\.weight')
-        resolved.inputs["model.layers.0.mlp"]        # ForwardPlacements on the full mesh
-    """
-
-    parameters: Mapping[str, ResolvedSharding] = field(default_factory=dict)
-    inputs: Mapping[str, tuple[ForwardPlacements, str]] = field(default_factory=dict)
-    outputs: Mapping[str, tuple[ForwardPlacements, str]] = field(default_factory=dict)
-
-    def format_table(self) -> str:
-        """One line per sharded parameter and per forward hook: FQN, placements, pattern."""
-        rows = [("parameter", fqn, _text(s.placements), s.pattern) for fqn, s in self.parameters.items()]
-        for kind, entries in (("input", self.inputs), ("output", self.outputs)):
-            rows += [(kind, fqn, json.dumps(p.to_json()), pattern) for fqn, (p, pattern) in entries.items()]
-        header = ("kind", "fqn", "placements", "from pattern")
-        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-        return "\n".join(
-            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-            for row in [header, *rows]
-        )
-
-
-def _text(placements: Sequence[AnyPlacement]) -> str:
-    return "[" + ", ".join(placement_to_string(p) for p in placements) + "]"

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,10 +35,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
+from vescale.planner._meta_forward import MetaValuePolicy
 from vescale.planner.errors import PlanError
 from vescale.planner.selective import KEPT_COMPUTE_OPS
 
 __all__ = ["ModelProfile", "find_repeated_blocks", "profile_model"]
+
+_LOGGER = logging.getLogger("vescale.planner")
 
 
 @dataclass(frozen=True)
@@ -238,8 +242,17 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
     args, kwargs = _example_inputs(model, micro_batch_size, sequence_length)
     try:
         saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
-        with saving, attention, GroupedMatmulShapes(), _KeptOutputs(keep, attention):
+        values = MetaValuePolicy()
+        with saving, attention, GroupedMatmulShapes(), values, _KeptOutputs(keep, attention):
             outputs = functional_call(model, meta, args, kwargs)
+        if values.guessed_shapes:
+            _LOGGER.warning(
+                "%s's forward chose %d tensor shape(s) from data (nonzero/where, e.g. eager mixture-of-"
+                "experts loops); on meta tensors each found one element, so the activations after them "
+                "are a lower bound",
+                type(model).__name__,
+                values.guessed_shapes,
+            )
         # The outputs (logits next to the loss) stay alive until backward, saved or not.
         for tensor in _tensors_in(outputs):
             save(tensor)

@@ -1,0 +1,66 @@
+"""The planner's meta-tensor trace survives model code that reads values (issue #18).
+
+``transformers``' Llama with ``use_cache=False`` asks whether the positions are packed sequences
+(``(position_ids[:, -1] == 0).all()``) during its forward; the planner answers such reads as an
+ordinary training batch would (:class:`vescale.planner._meta_forward.MetaValuePolicy`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from vescale.planner import ParallelChoices, estimate_memory, generate_plan
+from vescale.planner._meta_forward import MetaValuePolicy
+
+_SIZES = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64
+)
+
+
+def _meta(config) -> torch.nn.Module:
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def test_a_llama_without_kv_cache_is_planned_like_one_with_it():
+    configs = [
+        transformers.LlamaConfig(num_attention_heads=4, num_key_value_heads=2, use_cache=use_cache, **_SIZES)
+        for use_cache in (False, True)
+    ]
+    without_cache, with_cache = (_meta(config) for config in configs)
+    plan = generate_plan(without_cache, {"sequence_length": 16, "memory_per_device_gb": 1.0}, world_size=2)
+    assert plan.world_size == 2
+    choices = ParallelChoices(sequence_length=16)
+    assert estimate_memory(without_cache, choices) == estimate_memory(with_cache, choices)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        transformers.GPT2Config(
+            vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4, use_cache=False
+        ),
+        transformers.GemmaConfig(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, use_cache=False, **_SIZES
+        ),
+    ],
+    ids=["gpt2", "gemma"],
+)
+def test_tied_embedding_models_without_kv_cache_are_planned_with_tensor_parallelism(config):
+    assert config.tie_word_embeddings
+    model = _meta(config)
+    plan = generate_plan(
+        model, {"sequence_length": 16, "tensor_parallel.size": 2, "memory_per_device_gb": 1.0}, world_size=2
+    )
+    assert plan.mesh_size("tp") == 2 and plan.memory_estimate.total > 0
+
+
+def test_value_reads_on_meta_tensors_answer_as_an_ordinary_batch():
+    positions = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    with MetaValuePolicy():
+        assert bool((positions == 0).all()) is True
+        assert bool((positions < 0).any()) is False
+        assert positions.sum().item() == 0
+        assert torch.nonzero(positions).shape == (1, 2)

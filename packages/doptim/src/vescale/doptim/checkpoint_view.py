@@ -26,18 +26,16 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 
 from vescale.doptim.ddp import DDP
+from vescale.doptim.sharded_optimizer import ShardedOptimizer
 from vescale.doptim.state_dict import install_param_state, local_states
 from vescale.doptim.zero import ParamShard
-
-if TYPE_CHECKING:
-    from vescale.doptim.optimizer import DistributedOptimizer
 
 __all__ = ["OptimizerCheckpointView", "dp_shard_placements"]
 
@@ -105,7 +103,7 @@ class _StateView(dict):
     """``{model parameter: state}``; assigning a parameter's state stores this rank's part of it (and
     its ``MASTER_WEIGHT`` into the weights)."""
 
-    def __init__(self, optimizer: DistributedOptimizer) -> None:
+    def __init__(self, optimizer: ShardedOptimizer) -> None:
         super().__init__()
         self.optimizer = optimizer
         self.fqn_of = {id(param): fqn for fqn, param in optimizer.owner.module.named_parameters()}
@@ -129,7 +127,7 @@ class OptimizerCheckpointView(Optimizer):
         view.state[model.fc.weight]["exp_avg"]     # a DTensor of fc.weight's global shape
     """
 
-    def __init__(self, optimizer: DistributedOptimizer) -> None:
+    def __init__(self, optimizer: ShardedOptimizer) -> None:
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
         if not isinstance(optimizer.owner, DDP):

@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -30,10 +30,8 @@ from vescale.doptim.buckets import local_tensor
 from vescale.doptim.ddp import DDP
 from vescale.doptim.errors import DataParallelConfigError
 from vescale.doptim.reduction import all_gather_flat
+from vescale.doptim.sharded_optimizer import ShardedOptimizer
 from vescale.doptim.zero import ParamShard
-
-if TYPE_CHECKING:
-    from vescale.doptim.optimizer import DistributedOptimizer
 
 __all__ = [
     "MASTER_WEIGHT",
@@ -56,7 +54,7 @@ def _copy(value: Any) -> Any:
     return value.clone() if torch.is_tensor(value) else value
 
 
-def _masters_by_fqn(optimizer: DistributedOptimizer) -> dict[str, torch.Tensor]:
+def _masters_by_fqn(optimizer: ShardedOptimizer) -> dict[str, torch.Tensor]:
     if isinstance(optimizer.owner, DDP):
         return {shard.fqn: shard.master for shard in optimizer.shards.values()}
     return dict(optimizer.owner.module.named_parameters())
@@ -71,7 +69,7 @@ def _to_global(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     ).full_tensor()
 
 
-def local_states(optimizer: DistributedOptimizer) -> Iterator[tuple[ParamShard, str, Any, bool]]:
+def local_states(optimizer: ShardedOptimizer) -> Iterator[tuple[ParamShard, str, Any, bool]]:
     """Every ``(shard, state name, value, elementwise)`` of a stage 0-2 optimizer, bucket by bucket, in
     the same order on every rank (collective under stages 1-2: one all-gather per bucket and name).
 
@@ -128,7 +126,7 @@ def local_states(optimizer: DistributedOptimizer) -> Iterator[tuple[ParamShard, 
                 yield shard, name, local.view(shard.slot.local_shape), True
 
 
-def _gathered_ddp_state(optimizer: DistributedOptimizer) -> dict[str, dict[str, Any]]:
+def _gathered_ddp_state(optimizer: ShardedOptimizer) -> dict[str, dict[str, Any]]:
     state: dict[str, dict[str, Any]] = {}
     for shard, name, value, elementwise in local_states(optimizer):
         if elementwise:
@@ -138,7 +136,7 @@ def _gathered_ddp_state(optimizer: DistributedOptimizer) -> dict[str, dict[str, 
     return state
 
 
-def optimizer_state(optimizer: DistributedOptimizer) -> dict[str, Any]:
+def optimizer_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
     """``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}``, global tensors.
 
     Example::
@@ -168,12 +166,12 @@ def optimizer_state(optimizer: DistributedOptimizer) -> dict[str, Any]:
     return {"state": state, "param_groups": param_groups}
 
 
-def _shard_of(optimizer: DistributedOptimizer, master: torch.Tensor) -> ParamShard:
+def _shard_of(optimizer: ShardedOptimizer, master: torch.Tensor) -> ParamShard:
     return next(shard for shard in optimizer.shards.values() if shard.master is master)
 
 
 def _local_part(
-    optimizer: DistributedOptimizer, fqn: str, master: torch.Tensor, value: torch.Tensor
+    optimizer: ShardedOptimizer, fqn: str, master: torch.Tensor, value: torch.Tensor
 ) -> torch.Tensor:
     if not isinstance(optimizer.owner, DDP):
         return distribute_tensor(value, master.device_mesh, master.placements, src_data_rank=None)
@@ -209,7 +207,7 @@ def master_part(shard: ParamShard, fqn: str, value: torch.Tensor) -> torch.Tenso
 
 @torch.no_grad()
 def _load_weights(
-    optimizer: DistributedOptimizer, fqn: str, master: torch.Tensor, master_weight: torch.Tensor | None
+    optimizer: ShardedOptimizer, fqn: str, master: torch.Tensor, master_weight: torch.Tensor | None
 ) -> None:
     if not isinstance(optimizer.owner, DDP):
         # ZeRO-3: the fp32 parameter shards are the master weights.
@@ -230,7 +228,7 @@ def _load_weights(
 
 
 def install_param_state(
-    optimizer: DistributedOptimizer, fqn: str, master: torch.Tensor, param_state: dict[str, Any]
+    optimizer: ShardedOptimizer, fqn: str, master: torch.Tensor, param_state: dict[str, Any]
 ) -> None:
     """Store one parameter's saved state (global tensors, or DTensors of the parameter's global shape)
     as this rank's part of the state of ``master``; its ``MASTER_WEIGHT`` sets the weights, and
@@ -260,7 +258,7 @@ def _is_param_shaped(name: str, value: Any, param: torch.Tensor) -> bool:
     return value.dim() >= 1 or name != "step"
 
 
-def load_optimizer_state(optimizer: DistributedOptimizer, state_dict: dict[str, Any]) -> None:
+def load_optimizer_state(optimizer: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
     """Load :func:`optimizer_state`'s output, saved under any dp size and ZeRO stage.
 
     Example::

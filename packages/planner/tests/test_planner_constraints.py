@@ -27,6 +27,8 @@ EVERY_KEY = {
     "sequence_length": 2048,
     "mixed_precision": "bf16",
     "activation_checkpointing": "selective",
+    "data_parallel.deterministic": True,
+    "hardware": "h100-80gb",
 }
 
 

@@ -12,12 +12,14 @@ from importlib.metadata import version as _distribution_version
 from vescale.planner.constraints import Constraints
 from vescale.planner.errors import ConstraintError, PlanError, PlanFormatError
 from vescale.planner.generate import generate_plan
+from vescale.planner.hardware import HardwareProfile, load_hardware
 from vescale.planner.memory import MemoryEstimate, ParallelChoices, estimate_memory
 from vescale.planner.plan import Plan
 
 __all__ = [
     "ConstraintError",
     "Constraints",
+    "HardwareProfile",
     "MemoryEstimate",
     "ParallelChoices",
     "Plan",
@@ -26,6 +28,7 @@ __all__ = [
     "__version__",
     "estimate_memory",
     "generate_plan",
+    "load_hardware",
 ]
 
 __version__ = _distribution_version("vescale-planner")

@@ -24,6 +24,9 @@ key                                       meaning
 ``sequence_length``                       tokens per sample, for memory estimates
 ``mixed_precision``                       ``"fp32"`` or ``"bf16"`` (fp32 master weights and state)
 ``activation_checkpointing``              ``"none"``, ``"full"`` or ``"selective"``, per repeated block
+``data_parallel.deterministic``           sum gradients in rank order (bitwise-reproducible restarts)
+``hardware``                              a profile name (``"h100-80gb"``, ``"cpu"``) or JSON file: the
+                                          planner then searches for the fastest plan (cost model)
 ========================================  =====================================================
 
 Example::
@@ -85,6 +88,8 @@ class Constraints:
     sequence_length: int | None = None
     mixed_precision: str | None = None
     activation_checkpointing: str | None = None
+    data_parallel_deterministic: bool | None = None
+    hardware: str | None = None
 
     @classmethod
     def from_dict(cls, constraints: Mapping[str, Any] | Constraints | None) -> Constraints:
@@ -242,9 +247,15 @@ def _checked_value(key: str, value: Any) -> Any:
         if isinstance(value, bool) or value not in (0, 1, 2, 3):
             raise ConstraintError(f"constraint zero.stage={value!r} must be 0, 1, 2 or 3")
         return value
-    if key == "sequence_parallel":
+    if key in ("sequence_parallel", "data_parallel.deterministic"):
         if not isinstance(value, bool):
-            raise ConstraintError(f"constraint sequence_parallel={value!r} must be true or false")
+            raise ConstraintError(f"constraint {key}={value!r} must be true or false")
+        return value
+    if key == "hardware":
+        if not isinstance(value, str) or not value:
+            raise ConstraintError(
+                f"constraint hardware={value!r} must be a profile name (e.g. 'h100-80gb') or a JSON file path"
+            )
         return value
     if key == "memory_per_device_gb":
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:

@@ -287,6 +287,7 @@ def _assemble(
             size=choices.data_parallel_size,
             zero_stage=choices.zero_stage,
             mixed_precision=choices.mixed_precision,
+            deterministic=bool(constraints.data_parallel_deterministic),
         ),
         global_batch_size=choices.num_microbatches * choices.data_parallel_size * choices.micro_batch_size,
         micro_batch_size=choices.micro_batch_size,

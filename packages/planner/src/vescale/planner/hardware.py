@@ -1,0 +1,254 @@
+"""Hardware profiles: what one device computes and moves per second, for the step-time model.
+
+A :class:`HardwareProfile` holds the published peak dense FLOP/s per dtype, the memory and its
+bandwidth, the link bandwidth per device inside a node (NVLink) and across nodes (InfiniBand,
+one direction), the devices per node, and a few efficiency figures the cost model
+(:mod:`vescale.planner.cost`) applies to them. Built in: ``h100-80gb``, ``h200-141gb``,
+``a100-80gb``, ``a100-40gb`` (NVIDIA's data sheets, SXM parts); a user's JSON file (the form
+:meth:`HardwareProfile.to_dict` writes); and ``cpu``, measured on the spot by
+:func:`calibrate_cpu` (matmuls, copies and gloo all-reduces timed on the ranks at once, as a
+training run loads them; :mod:`vescale.planner.calibrate`).
+
+Example::
+
+    profile = load_hardware("h100-80gb")
+    profile.peak_flops("bf16")          # 9.89e14
+    HardwareProfile.from_dict(profile.to_dict()) == profile
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vescale.planner.calibrate import measure_cpu
+from vescale.planner.errors import PlanError
+
+__all__ = ["BUILTIN_PROFILES", "HardwareProfile", "calibrate_cpu", "load_hardware"]
+
+_DTYPE_NAMES = {
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "torch.float16": "fp16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "torch.float32": "fp32",
+    "tf32": "tf32",
+    "fp8": "fp8",
+}
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One kind of device and its node (see the module docstring); bandwidths in bytes/s.
+
+    ``peak_tflops`` maps a dtype (``"bf16"``, ``"fp16"``, ``"fp32"``, ``"tf32"``, ``"fp8"``) to
+    dense tera-FLOP/s. ``matmul_efficiency`` is the fraction of peak a large matmul reaches,
+    ``matmul_half_dim`` the smallest matrix dimension at which it reaches half of that;
+    ``collective_efficiency`` the fraction of link bandwidth a ring collective reaches;
+    ``op_overhead_us`` the host time of one eager op (a small op costs at least that),
+    ``matmul_overhead_us`` the fixed cost of one matmul call.
+
+    Example::
+
+        h100 = load_hardware("h100-80gb")
+        h100.peak_flops("bf16") / 1e12      # 989.4
+    """
+
+    name: str
+    peak_tflops: tuple[tuple[str, float], ...]
+    memory_gb: float
+    memory_bandwidth: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    devices_per_node: int
+    intra_node_latency_us: float = 10.0
+    inter_node_latency_us: float = 20.0
+    matmul_efficiency: float = 0.75
+    matmul_half_dim: float = 64.0
+    memory_efficiency: float = 0.8
+    collective_efficiency: float = 0.8
+    op_overhead_us: float = 10.0
+    matmul_overhead_us: float = 5.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        peaks = self.peak_tflops.items() if isinstance(self.peak_tflops, dict) else self.peak_tflops
+        normalised = []
+        for dtype, tflops in peaks:
+            if dtype not in _DTYPE_NAMES.values() or not isinstance(tflops, int | float) or tflops <= 0:
+                raise PlanError(
+                    f"hardware profile {self.name!r}: peak_tflops[{dtype!r}]={tflops!r}; give positive "
+                    f"numbers for dtypes among {sorted(set(_DTYPE_NAMES.values()))}"
+                )
+            normalised.append((dtype, float(tflops)))
+        object.__setattr__(self, "peak_tflops", tuple(sorted(normalised)))
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type in ("float", "int") and (
+                isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+            ):
+                raise PlanError(
+                    f"hardware profile {self.name!r}: {field.name}={value!r} must be a positive number"
+                )
+        if not isinstance(self.devices_per_node, int):
+            raise PlanError(f"hardware profile {self.name!r}: devices_per_node must be an integer")
+
+    def peak_flops(self, dtype: Any = "bf16") -> float:
+        """Peak dense FLOP/s for ``dtype`` (``"bf16"``, ``torch.float32``, ...); fp32 without an
+        entry of its own falls back to the slowest listed one.
+
+        Example::
+
+            mfu = achieved_flops / load_hardware("a100-80gb").peak_flops("bf16")
+        """
+        name = _DTYPE_NAMES.get(str(dtype))
+        peaks = dict(self.peak_tflops)
+        if name is None:
+            raise PlanError(f"unknown dtype {dtype!r}; use one of {sorted(set(_DTYPE_NAMES))}")
+        if name not in peaks and name in ("bf16", "fp16"):
+            name = "bf16" if "bf16" in peaks else "fp16"
+        if name not in peaks:
+            return min(peaks.values()) * 1e12
+        return peaks[name] * 1e12
+
+    def link_bandwidth(self, crosses_nodes: bool) -> float:
+        """Bytes/s per device a ring collective reaches on the links it uses."""
+        raw = self.inter_node_bandwidth if crosses_nodes else self.intra_node_bandwidth
+        return raw * self.collective_efficiency
+
+    def link_latency(self, crosses_nodes: bool) -> float:
+        """Seconds per step of a collective (one hop of a ring) on those links."""
+        return (self.inter_node_latency_us if crosses_nodes else self.intra_node_latency_us) * 1e-6
+
+    def to_dict(self) -> dict[str, Any]:
+        """The profile as JSON-ready builtins (``peak_tflops`` as an object).
+
+        Example::
+
+            Path("my-gpu.json").write_text(json.dumps(profile.to_dict(), indent=2))
+        """
+        return {**dataclasses.asdict(self), "peak_tflops": dict(self.peak_tflops)}
+
+    @classmethod
+    def from_dict(cls, profile_dict: Any) -> HardwareProfile:
+        """The profile :meth:`to_dict` wrote; a missing or unknown field raises ``PlanError`` naming it.
+
+        Example::
+
+            HardwareProfile.from_dict(json.loads(Path("my-gpu.json").read_text()))
+        """
+        fields = {field.name: field for field in dataclasses.fields(cls)}
+        if not isinstance(profile_dict, dict):
+            raise PlanError(f"a hardware profile is a JSON object with the keys {list(fields)}")
+        unknown = sorted(set(profile_dict) - set(fields))
+        if unknown:
+            raise PlanError(f"unknown hardware profile field(s) {unknown}; the fields are {list(fields)}")
+        missing = [
+            name
+            for name, field in fields.items()
+            if field.default is dataclasses.MISSING and name not in profile_dict
+        ]
+        if missing:
+            raise PlanError(f"hardware profile field(s) {missing} missing")
+        return cls(**profile_dict)
+
+
+def _nvidia(name: str, bf16: float, fp32: float, tf32: float, memory_gb: float, hbm: float, **links: Any):
+    return HardwareProfile(
+        name=name,
+        peak_tflops=(("bf16", bf16), ("fp16", bf16), ("fp32", fp32), ("tf32", tf32), ("fp8", 2 * bf16))
+        if name.startswith("h")
+        else (("bf16", bf16), ("fp16", bf16), ("fp32", fp32), ("tf32", tf32)),
+        memory_gb=memory_gb,
+        memory_bandwidth=hbm,
+        devices_per_node=8,
+        source="NVIDIA data sheet (SXM, dense); links per device, one direction",
+        **links,
+    )
+
+
+BUILTIN_PROFILES: dict[str, HardwareProfile] = {
+    # NVLink 4: 900 GB/s both directions; one ConnectX-7 (400 Gb/s NDR) per GPU.
+    "h100-80gb": _nvidia(
+        "h100-80gb", 989.4, 66.9, 494.7, 80.0, 3.35e12, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9
+    ),
+    "h200-141gb": _nvidia(
+        "h200-141gb", 989.4, 66.9, 494.7, 141.0, 4.8e12, intra_node_bandwidth=450e9, inter_node_bandwidth=50e9
+    ),
+    # NVLink 3: 600 GB/s both directions; one HDR (200 Gb/s) adapter per GPU.
+    "a100-80gb": _nvidia(
+        "a100-80gb", 312.0, 19.5, 156.0, 80.0, 2.039e12, intra_node_bandwidth=300e9, inter_node_bandwidth=25e9
+    ),
+    "a100-40gb": _nvidia(
+        "a100-40gb", 312.0, 19.5, 156.0, 40.0, 1.555e12, intra_node_bandwidth=300e9, inter_node_bandwidth=25e9
+    ),
+}
+"""The built-in profiles by name."""
+
+
+def load_hardware(name_or_path: str | Path | HardwareProfile, *, world_size: int = 2) -> HardwareProfile:
+    """A built-in profile by name, ``"cpu"`` measured now on ``world_size`` gloo ranks, or a JSON file.
+
+    Example::
+
+        load_hardware("a100-40gb").memory_gb      # 40.0
+        load_hardware("profiles/my-cluster.json")
+    """
+    if isinstance(name_or_path, HardwareProfile):
+        return name_or_path
+    key = str(name_or_path)
+    if key in BUILTIN_PROFILES:
+        return BUILTIN_PROFILES[key]
+    if key == "cpu":
+        return calibrate_cpu(world_size)
+    path = Path(key)
+    if not path.is_file():
+        raise PlanError(
+            f"hardware {key!r} is neither a built-in profile ({', '.join([*BUILTIN_PROFILES, 'cpu'])}) "
+            "nor a JSON file; write one with `vescale plan --calibrate` or HardwareProfile.to_dict"
+        )
+    try:
+        loaded = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise PlanError(f"hardware profile {path} is not valid JSON: {error}") from None
+    return HardwareProfile.from_dict(loaded)
+
+
+def calibrate_cpu(world_size: int = 2) -> HardwareProfile:
+    """The ``cpu`` profile of this machine, measured on ``world_size`` gloo ranks running at once.
+
+    Each rank is a device; a node is this machine (``devices_per_node = world_size``), its memory
+    the RAM shared by the ranks.
+
+    Example::
+
+        profile = calibrate_cpu(world_size=4)
+        Path("cpu.json").write_text(json.dumps(profile.to_dict(), indent=2))
+    """
+    measured = measure_cpu(world_size)
+    latency_us = measured["collective_latency_s"] * 1e6
+    return HardwareProfile(
+        name="cpu",
+        peak_tflops=(("fp32", measured["fp32_flops"] / 1e12), ("bf16", measured["bf16_flops"] / 1e12)),
+        memory_gb=measured["memory_bytes"] / world_size / 2**30,
+        memory_bandwidth=measured["memory_bandwidth"],
+        intra_node_bandwidth=measured["collective_bandwidth"],
+        inter_node_bandwidth=measured["collective_bandwidth"],
+        devices_per_node=world_size,
+        intra_node_latency_us=latency_us,
+        inter_node_latency_us=latency_us,
+        matmul_efficiency=1.0,
+        matmul_half_dim=1.0,
+        memory_efficiency=1.0,
+        collective_efficiency=1.0,
+        op_overhead_us=measured["op_overhead_s"] * 1e6,
+        matmul_overhead_us=measured["fp32_matmul_overhead_s"] * 1e6,
+        source=f"measured on this machine by {world_size} gloo ranks at once (vescale plan --calibrate)",
+    )

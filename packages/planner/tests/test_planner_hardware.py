@@ -1,0 +1,54 @@
+"""Hardware profiles: built-in data sheets, JSON files, the measured cpu profile, and the
+data_parallel.deterministic constraint reaching the plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vescale.dtensor.testing.models.tiny_hf import build_tiny_hf_model
+from vescale.planner import generate_plan
+from vescale.planner.errors import PlanError
+from vescale.planner.hardware import BUILTIN_PROFILES, HardwareProfile, calibrate_cpu, load_hardware
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_PROFILES))
+def test_builtin_profiles_round_trip_and_give_peak_flops(name):
+    profile = load_hardware(name)
+    assert HardwareProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+    assert profile.peak_flops("bf16") == profile.peak_flops(torch.bfloat16) > profile.peak_flops("fp32")
+    assert profile.devices_per_node == 8
+
+
+def test_published_figures():
+    assert load_hardware("h100-80gb").peak_flops("bf16") == pytest.approx(989.4e12)
+    assert load_hardware("a100-40gb").peak_flops("bf16") == pytest.approx(312e12)
+    assert load_hardware("h200-141gb").memory_gb == 141.0
+
+
+def test_a_user_json_profile_is_read_and_bad_fields_are_named(tmp_path):
+    path = tmp_path / "my-gpu.json"
+    path.write_text(json.dumps({**load_hardware("a100-80gb").to_dict(), "name": "mine", "memory_gb": 64}))
+    assert load_hardware(str(path)).memory_gb == 64
+    path.write_text(json.dumps({**load_hardware("a100-80gb").to_dict(), "memroy_gb": 64}))
+    with pytest.raises(PlanError, match="memroy_gb"):
+        load_hardware(str(path))
+    with pytest.raises(PlanError, match="neither a built-in profile"):
+        load_hardware("b300")
+
+
+def test_the_cpu_profile_is_measured_on_the_ranks():
+    profile = calibrate_cpu(world_size=2)
+    assert profile.name == "cpu" and profile.devices_per_node == 2
+    assert 1e8 < profile.peak_flops("fp32") < 1e13
+    assert profile.intra_node_bandwidth > 0 and profile.memory_bandwidth > 0
+
+
+def test_the_deterministic_constraint_reaches_the_data_parallel_section():
+    model = build_tiny_hf_model("llama")
+    constraints = {"sequence_length": 8, "memory_per_device_gb": 1.0}
+    plan = generate_plan(model, {**constraints, "data_parallel.deterministic": True}, world_size=2)
+    assert plan.data_parallel.deterministic
+    assert not generate_plan(model, constraints, world_size=2).data_parallel.deterministic

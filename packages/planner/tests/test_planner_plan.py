@@ -11,6 +11,7 @@ from vescale.doptim.plan import DataParallelPlan
 from vescale.dpipe.plan import PipelinePlan
 from vescale.dtensor.testing.models.tiny_hf import build_tiny_hf_model
 from vescale.planner import MemoryEstimate, Plan, PlanError, PlanFormatError, generate_plan
+from vescale.planner.performance import Performance, RunnerUp
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +192,23 @@ def test_memory_estimate_of_a_plan_is_what_estimate_memory_says(llama, tp_plan):
 
     assert isinstance(tp_plan.memory_estimate, MemoryEstimate)
     assert estimate_memory(llama, tp_plan) == tp_plan.memory_estimate
+
+
+def test_a_plan_with_predicted_performance_round_trips_prints_and_explains_its_runners_up():
+    runner_up = RunnerUp(
+        "pp1 dp2 tp1 zero3 fp32 mbs1 ac=none", 2.5, {"compute": 2.0, "dp": 0.5}, "25% slower"
+    )
+    performance = Performance("h100-80gb", 2.0, 4096.0, 300.0, 0.3, {"compute": 1.8, "tp": 0.2}, (runner_up,))
+    plan = Plan(
+        mesh={"dp": 2},
+        data_parallel=DataParallelPlan(size=2),
+        global_batch_size=2,
+        performance=performance,
+        reasons=(("data_parallel", "fastest"),),
+    )
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.to_dict()["performance"]["breakdown"] == {"compute": 1.8, "tp": 0.2}
+    assert "MFU" in str(plan) and "30.0%" in str(plan)
+    assert "pp1 dp2 tp1 zero3 fp32 mbs1 ac=none: 2.5 s (25% slower)" in plan.explain()
+    with pytest.raises(PlanFormatError, match="performance"):
+        Plan.from_dict({**plan.to_dict(), "performance": {"hardware": "h100-80gb"}})

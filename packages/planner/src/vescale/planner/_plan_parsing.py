@@ -1,11 +1,14 @@
 """Reading a plan's JSON form back into the fields of :class:`~vescale.planner.plan.Plan`.
 
+It depends on the plan's vocabulary (:mod:`vescale.planner._plan_format`), never on the
+``Plan`` type itself, so the type's module can use it without an import cycle.
+
 Every error names the field it is about (``pipeline_parallel.schedule``, ``mesh.tp``), so a user
 who edited the JSON by hand knows what to fix.
 
 Example::
 
-    fields = plan_fields_from_dict(json.loads(text), _TOP_LEVEL_KEYS)
+    fields = plan_fields_from_dict(json.loads(text), TOP_LEVEL_KEYS)
     plan = Plan(**fields)
 """
 
@@ -18,8 +21,10 @@ from typing import Any, TypeVar
 from vescale.dmodule.sharding_plan import ShardingPlan
 from vescale.doptim.plan import DataParallelPlan
 from vescale.dpipe.plan import PipelinePlan
+from vescale.planner._plan_format import PLAN_FORMAT, SECTION_ERRORS
 from vescale.planner.errors import PlanError, PlanFormatError
 from vescale.planner.memory import MemoryEstimate
+from vescale.planner.performance import Performance
 
 __all__ = ["plan_fields_from_dict"]
 
@@ -27,8 +32,6 @@ Section = TypeVar("Section")
 
 
 def _section(name: str, parse: Callable[[Any], Section], value: Any) -> Section:
-    from vescale.planner.plan import SECTION_ERRORS
-
     try:
         return parse(value)
     except (*SECTION_ERRORS, PlanError, TypeError) as error:
@@ -56,10 +59,8 @@ def plan_fields_from_dict(plan_dict: Any, top_level_keys: Sequence[str]) -> dict
 
     Example::
 
-        Plan(**plan_fields_from_dict(plan.to_dict(), _TOP_LEVEL_KEYS))
+        Plan(**plan_fields_from_dict(plan.to_dict(), TOP_LEVEL_KEYS))
     """
-    from vescale.planner.plan import PLAN_FORMAT
-
     top = _mapping(plan_dict, "plan", top_level_keys, required=("mesh", "data_parallel", "micro_batching"))
     if top.get("format", PLAN_FORMAT) != PLAN_FORMAT:
         raise PlanFormatError(f"plan field format={top['format']!r}: this version reads {PLAN_FORMAT!r}")
@@ -81,6 +82,7 @@ def plan_fields_from_dict(plan_dict: Any, top_level_keys: Sequence[str]) -> dict
     sharding = tensor_parallel.get("sharding_plan")
     pipeline = top.get("pipeline_parallel")
     estimate = memory.get("estimate")
+    performance = top.get("performance")
     fields = {
         "mesh": top["mesh"],
         "data_parallel": _section("data_parallel", DataParallelPlan.from_dict, top["data_parallel"]),
@@ -97,6 +99,9 @@ def plan_fields_from_dict(plan_dict: Any, top_level_keys: Sequence[str]) -> dict
         if estimate is None
         else _section("memory.estimate", MemoryEstimate.from_dict, estimate),
         "reasons": tuple(reasons.items()),
+        "performance": None
+        if performance is None
+        else _section("performance", Performance.from_dict, performance),
     }
     fields.update(batching)
     return fields

@@ -1,4 +1,8 @@
-"""``print(plan)``: the choices of a :class:`~vescale.planner.plan.Plan` and its memory per device.
+"""``print(plan)``: the choices of a :class:`~vescale.planner.plan.Plan`, its memory per device and
+its predicted speed.
+
+The functions read a plan's attributes only; this module does not import the ``Plan`` type, so
+the type's module can use it without an import cycle.
 
 Example::
 
@@ -7,17 +11,14 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from vescale.planner.plan import Plan
+from typing import Any
 
 __all__ = ["format_plan_table"]
 
 _GIB = 2**30
 
 
-def _choices(plan: Plan) -> list[tuple[str, str]]:
+def _choices(plan: Any) -> list[tuple[str, str]]:
     tp, pp, dp = plan.mesh_size("tp"), plan.mesh_size("pp"), plan.mesh_size("dp")
     sharding = plan.sharding_plan
     if sharding is None:
@@ -49,7 +50,7 @@ def _choices(plan: Plan) -> list[tuple[str, str]]:
     ]
 
 
-def _memory(plan: Plan) -> list[tuple[str, str]]:
+def _memory(plan: Any) -> list[tuple[str, str]]:
     estimate = plan.memory_estimate
     if estimate is None:
         return [("estimate", "not computed")]
@@ -62,15 +63,34 @@ def _memory(plan: Plan) -> list[tuple[str, str]]:
     return rows
 
 
-def format_plan_table(plan: Plan) -> str:
-    """Two titled tables: the plan's choices, then the estimated memory per device.
+def _performance(plan: Any) -> list[tuple[str, str]]:
+    performance = plan.performance
+    rows = [
+        ("hardware", performance.hardware),
+        ("step time", f"{performance.step_time_s:.4g} s"),
+        (
+            "tokens/s",
+            f"{performance.tokens_per_s:,.0f} ({performance.tokens_per_s / plan.world_size:,.0f} per device)",
+        ),
+        ("model TFLOP/s per device", f"{performance.model_tflops_per_device:.1f}"),
+        ("MFU", f"{100 * performance.mfu:.1f}%"),
+    ]
+    rows += [(f"  {name}", f"{seconds:.4g} s") for name, seconds in performance.breakdown]
+    return rows
+
+
+def format_plan_table(plan: Any) -> str:
+    """Titled tables: the plan's choices, the estimated memory per device, the predicted speed.
 
     Example::
 
         text = format_plan_table(plan)   # what print(plan) shows
     """
     lines = []
-    for title, rows in (("vescale plan", _choices(plan)), ("memory per device (estimate)", _memory(plan))):
+    tables = [("vescale plan", _choices(plan)), ("memory per device (estimate)", _memory(plan))]
+    if plan.performance is not None:
+        tables.append(("predicted performance", _performance(plan)))
+    for title, rows in tables:
         width = max(len(name) for name, _ in rows)
         lines.append(title)
         lines.append("-" * (width + 24))

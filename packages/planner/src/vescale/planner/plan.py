@@ -19,32 +19,23 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from vescale.dmodule.errors import DModuleError
 from vescale.dmodule.sharding_plan import ShardingPlan
-from vescale.doptim.errors import DOptimError
 from vescale.doptim.plan import DataParallelPlan
-from vescale.dpipe.errors import PipelineError
 from vescale.dpipe.plan import PipelinePlan
+from vescale.planner._plan_format import (
+    ACTIVATION_CHECKPOINTING,
+    MESH_DIMS,
+    PLAN_FORMAT,
+    SECTION_ERRORS,
+    TOP_LEVEL_KEYS,
+)
+from vescale.planner._plan_parsing import plan_fields_from_dict
+from vescale.planner._plan_table import format_plan_table
 from vescale.planner.errors import PlanFormatError
 from vescale.planner.memory import MemoryEstimate, ParallelChoices
+from vescale.planner.performance import Performance
 
-__all__ = ["ACTIVATION_CHECKPOINTING", "MESH_DIMS", "PLAN_FORMAT", "Plan"]
-
-MESH_DIMS = ("pp", "dp", "ep", "tp")
-"""The canonical order of the mesh dimensions, outermost first."""
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
-PLAN_FORMAT = "vescale.plan/1"
-_TOP_LEVEL_KEYS = (
-    "format",
-    "mesh",
-    "tensor_parallel",
-    "pipeline_parallel",
-    "data_parallel",
-    "micro_batching",
-    "activation_checkpointing",
-    "memory",
-    "reasons",
-)
+__all__ = ["ACTIVATION_CHECKPOINTING", "MESH_DIMS", "PLAN_FORMAT", "SECTION_ERRORS", "Plan"]
 
 
 def _positive_int(value: Any, where: str) -> int:
@@ -79,6 +70,7 @@ class Plan:
     memory_per_device_gb: float | None = None
     memory_estimate: MemoryEstimate | None = None
     reasons: tuple[tuple[str, str], ...] = field(default=())
+    performance: Performance | None = None
 
     def __post_init__(self) -> None:
         sizes = dict(self.mesh) if not isinstance(self.mesh, dict) else self.mesh
@@ -196,14 +188,24 @@ class Plan:
         )
 
     def explain(self) -> str:
-        """Why each choice was made, one line each.
+        """Why each choice was made, one line each; with a predicted performance, the runners-up
+        with their breakdowns and why each lost.
 
         Example::
 
-            print(generate_plan(model, world_size=8).explain())
+            print(generate_plan(model, {"hardware": "h100-80gb"}, world_size=8).explain())
         """
         width = max((len(choice) for choice, _ in self.reasons), default=0)
-        return "\n".join(f"{choice:<{width}}  {reason}" for choice, reason in self.reasons)
+        lines = [f"{choice:<{width}}  {reason}" for choice, reason in self.reasons]
+        if self.performance is not None and self.performance.runners_up:
+            lines.append("runners-up (predicted step time; why each lost)")
+            for runner_up in self.performance.runners_up:
+                parts = ", ".join(f"{name} {seconds:.3g} s" for name, seconds in runner_up.breakdown)
+                lines.append(
+                    f"  {runner_up.choice}: {runner_up.step_time_s:.4g} s ({runner_up.lost_because})"
+                )
+                lines.append(f"    {parts}")
+        return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready builtins (see :meth:`to_json`)."""
@@ -227,6 +229,7 @@ class Plan:
             },
             "activation_checkpointing": self.activation_checkpointing,
             "memory": memory,
+            "performance": self.performance.to_dict() if self.performance else None,
             "reasons": dict(self.reasons),
         }
 
@@ -247,9 +250,7 @@ class Plan:
 
             Plan.from_dict(json.loads(Path("plan.json").read_text()))
         """
-        from vescale.planner._plan_parsing import plan_fields_from_dict
-
-        return cls(**plan_fields_from_dict(plan_dict, _TOP_LEVEL_KEYS))
+        return cls(**plan_fields_from_dict(plan_dict, TOP_LEVEL_KEYS))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -266,10 +267,4 @@ class Plan:
         return cls.from_dict(loaded)
 
     def __str__(self) -> str:
-        from vescale.planner._plan_table import format_plan_table
-
         return format_plan_table(self)
-
-
-SECTION_ERRORS = (DModuleError, PipelineError, DOptimError)
-"""The errors the section classes raise; the planner re-raises them as ``PlanFormatError``."""

@@ -33,6 +33,10 @@ def tree(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def test_the_repository_has_no_import_loop_and_no_upward_import():
+    assert check_cycles.check(ROOT) == []
+
+
 def _add(tree: Path, relative: str, code: str) -> None:
     path = tree / relative
     path.write_text(path.read_text() + "\n\n" + code + "\n")

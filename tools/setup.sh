@@ -19,7 +19,8 @@ say() { printf '[setup] %s\n' "$*"; }
 torch_spec="torch==2.13.0"
 # The packages in dependency order (a sibling is installed before the packages that pin it).
 packages=(dtensor dmodule doptim dcheckpoint dpipe planner vescale)
-test_tools=(pytest==9.2.0 pytest-xdist==3.8.0 pytest-timeout==2.4.0 ruff==0.17.5 transformers==5.23.0)
+test_tools=(pytest==9.2.0 pytest-xdist==3.8.0 pytest-timeout==2.4.0 ruff==0.17.5 transformers==5.23.0
+    tokenizers==0.23.3 pyarrow==26.0.1 tensorboard==2.21.0)
 
 if [[ -x "$venv/bin/python" ]]; then
     say "reusing $venv ($("$venv/bin/python" --version))"
@@ -33,9 +34,10 @@ say "installing $torch_spec and the build back-end"
 "${pip[@]}" install -q "$torch_spec" "hatchling==1.33.0" "editables"
 
 editable_args=()
-# The meta-package with its hf extra (the `vescale` command's default model is a transformers one)
-# and its plot extra (`vescale train --plot`, matplotlib).
-declare -A extras=([vescale]="[hf,plot]")
+# The meta-package with its hf extra (the `vescale` command's default model is a transformers one),
+# its plot extra (`vescale train --plot`, matplotlib), its data extra (tokenizers, Parquet) and its
+# tensorboard extra (`vescale train --tensorboard`).
+declare -A extras=([vescale]="[hf,plot,data,tensorboard]")
 for name in "${packages[@]}"; do editable_args+=(-e "packages/$name${extras[$name]:-}"); done
 say "installing ${#packages[@]} packages in editable mode: ${packages[*]}"
 # No build isolation: hatchling is already in .venv, so no throw-away build environments.

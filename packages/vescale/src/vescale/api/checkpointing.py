@@ -31,7 +31,7 @@ from torch import nn
 
 from vescale.api._global_batch import ParallelizedModel
 from vescale.api.errors import VescaleAPIError
-from vescale.dcheckpoint import CheckpointFormatError, SaveResult, read_index
+from vescale.dcheckpoint import AsyncSave, CheckpointFormatError, SaveResult, read_index
 from vescale.dcheckpoint import load as load_checkpoint
 from vescale.dcheckpoint import save as save_checkpoint
 from vescale.doptim import DistributedOptimizer
@@ -78,8 +78,17 @@ def _checkpoint_state(state: Mapping[str, Any]) -> dict[str, Any]:
     return checkpoint_state
 
 
-def save(path: str | os.PathLike, state: Mapping[str, Any]) -> SaveResult:
+def save(
+    path: str | os.PathLike,
+    state: Mapping[str, Any],
+    *,
+    async_save: bool = False,
+    keep_last: int | None = None,
+) -> SaveResult | AsyncSave:
     """Save ``state`` (see the module docstring) to the new checkpoint directory ``path``, on every rank.
+
+    ``async_save`` and ``keep_last`` are ``vescale.dcheckpoint.save``'s: return once the state is
+    copied (an ``AsyncSave``) and delete all but the ``keep_last`` newest complete checkpoints.
 
     Example::
 
@@ -95,7 +104,7 @@ def save(path: str | os.PathLike, state: Mapping[str, Any]) -> SaveResult:
                 f"{type(plan).__name__}; drop the key to save no plan"
             )
         checkpoint_state[PLAN_KEY] = plan.to_json(indent=None)
-    return save_checkpoint(path, checkpoint_state)
+    return save_checkpoint(path, checkpoint_state, async_save=async_save, keep_last=keep_last)
 
 
 def _saved_plan(index_objects: Mapping[str, Any], where: str) -> Plan | None:

@@ -44,11 +44,28 @@ def train(
     model: Annotated[str, typer.Option(help=_MODEL_HELP)] = "tiny-llama",
     data: Annotated[
         str | None,
-        typer.Option(help="A text file to train on, byte by byte. Default: Python's pydoc topics."),
+        typer.Option(
+            help=(
+                "Text to train on: .txt, .jsonl (--text-field), .parquet, or a `datasets` directory. "
+                "Default: Python's pydoc topics, byte by byte."
+            )
+        ),
     ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            help="A Hugging Face tokenizers tokenizer.json (default: the --model directory's, else bytes)."
+        ),
+    ] = None,
+    text_field: Annotated[
+        str, typer.Option(help="The text's field in .jsonl/.parquet/datasets data.")
+    ] = "text",
     nproc: Annotated[int, typer.Option(help="Processes (ranks) on this node.")] = 4,
     steps: Annotated[
-        int, typer.Option(help="Optimizer steps to run (after the resumed ones with --resume).")
+        int,
+        typer.Option(
+            help="Optimizer steps to run (after the resumed ones with --resume); restarts end there too."
+        ),
     ] = 500,
     constraints: Annotated[str | None, typer.Option(help=_CONSTRAINTS_HELP)] = None,
     checkpoint_dir: Annotated[
@@ -84,6 +101,35 @@ def train(
     rdzv_endpoint: Annotated[
         str | None, typer.Option(help="HOST:PORT of node 0 for the rendezvous (torchrun --rdzv-endpoint).")
     ] = None,
+    save_every: Annotated[
+        int, typer.Option(help="Save an async checkpoint every N steps (0: only at the end).")
+    ] = 0,
+    keep_last: Annotated[
+        int | None, typer.Option(help="Keep only the K newest complete checkpoints.")
+    ] = None,
+    max_restarts: Annotated[
+        int,
+        typer.Option(
+            help="Restart every rank up to R times when one dies or hangs, from the newest checkpoint."
+        ),
+    ] = 0,
+    timeout: Annotated[
+        float,
+        typer.Option(
+            help="Fail the attempt, with every rank's Python stack, when a step takes longer (s; 0: off)."
+        ),
+    ] = 600.0,
+    log_every: Annotated[int, typer.Option(help="A log line and a metrics.jsonl entry every N steps.")] = 25,
+    tensorboard: Annotated[
+        Path | None,
+        typer.Option(help="Also write the metrics as TensorBoard scalars here (vescale[tensorboard])."),
+    ] = None,
+    eval_every: Annotated[
+        int, typer.Option(help="Evaluate the held-out split every N steps (0: no held-out split).")
+    ] = 0,
+    eval_fraction: Annotated[
+        float, typer.Option(help="The fraction of the samples held out for --eval-every.")
+    ] = 0.05,
 ) -> None:
     """Train a model on local processes started by torch's launcher: the plan, a progress bar, a checkpoint.
 
@@ -106,8 +152,23 @@ def train(
             compile=compile,
             seed=seed,
             learning_rate=learning_rate,
+            tokenizer=tokenizer,
+            text_field=text_field,
+            save_every=save_every,
+            keep_last=keep_last,
+            timeout_s=timeout,
+            log_every=log_every,
+            tensorboard=str(tensorboard) if tensorboard is not None else None,
+            eval_every=eval_every,
+            eval_fraction=eval_fraction,
         )
-        launch = LaunchOptions(nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+        launch = LaunchOptions(
+            nproc=nproc,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            rdzv_endpoint=rdzv_endpoint,
+            max_restarts=max_restarts,
+        )
         train_command(options, launch, compare=compare_single_device, plot=plot)
 
 

@@ -3,7 +3,8 @@
 ``inspect`` reads only the index (no tensor data): every tensor's global shape, dtype, the
 layout it was saved from (mesh shape and placements), its size, the non-tensor state and the
 plan the run was saved with. ``export-hf`` writes the model's tensors as a Hugging Face
-safetensors checkpoint (``vescale.dcheckpoint.export_hf``).
+safetensors checkpoint (``vescale.dcheckpoint.export_hf``), with the run's ``config.json`` and
+tokenizer files (``tokenizer.json``, ``tokenizer_config.json``, ...) copied beside it.
 
 Example::
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vescale.cli.errors import CLIUsageError
+from vescale.cli.text_corpus import TOKENIZER_FILES
 
 __all__ = ["checkpoint_directory", "export_hf_command", "find_saved_plan", "inspect_command"]
 
@@ -156,3 +159,13 @@ def export_hf_command(path: Path, out: Path, prefix: str, console: Console) -> N
         console.print(f"copied {config} beside it: transformers' from_pretrained({str(out)!r}) loads it")
     elif not (out / "config.json").exists():
         console.print("add the model's config.json beside the weights for transformers' from_pretrained")
+    copied = [
+        name
+        for name in TOKENIZER_FILES
+        if (directory.parent / name).is_file() and not (out / name).exists()
+        if shutil.copyfile(directory.parent / name, out / name)
+    ]
+    if copied:
+        console.print(
+            f"copied the tokenizer files {', '.join(copied)}: AutoTokenizer.from_pretrained loads them"
+        )

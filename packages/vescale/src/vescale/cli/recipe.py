@@ -24,7 +24,10 @@ __all__ = [
     "default_constraints",
     "make_lr_scheduler",
     "make_optimizer",
+    "split_deterministic",
 ]
+
+DETERMINISTIC_KEY = "data_parallel.deterministic"
 
 DEFAULT_GLOBAL_BATCH_SIZE = 32
 DEFAULT_SEQUENCE_LENGTH = 128
@@ -61,6 +64,24 @@ def default_constraints(user_constraints: dict[str, Any], world_size: int) -> di
     if share >= 1 and rest == 0:
         constraints["micro_batch_size"] = share
     return constraints
+
+
+def split_deterministic(user_constraints: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The constraints without ``data_parallel.deterministic`` when the planner does not take that key,
+    and whether it asked for rank-ordered data-parallel sums (the run then sets the plan's field).
+
+    Example::
+
+        split_deterministic({"data_parallel.deterministic": True})   # ({}, True) on such a planner
+    """
+    from vescale.planner import Constraints, PlanError
+
+    wanted = bool(user_constraints.get(DETERMINISTIC_KEY, False))
+    try:
+        Constraints.from_dict({DETERMINISTIC_KEY: True})
+    except PlanError:
+        return {key: value for key, value in user_constraints.items() if key != DETERMINISTIC_KEY}, wanted
+    return dict(user_constraints), wanted
 
 
 def make_optimizer(model: nn.Module, learning_rate: float = DEFAULT_LEARNING_RATE) -> torch.optim.Optimizer:

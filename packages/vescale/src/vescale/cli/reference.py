@@ -27,10 +27,12 @@ from rich.progress import track
 from torch import nn
 from torch.utils.data import DataLoader
 
-from vescale.cli.data import ByteTextDataset, read_text
+from vescale.cli.data import TokenDataset, split_for_eval, training_tokens
 from vescale.cli.models import resolve_model
+from vescale.cli.pretrained import pretrained_weights
 from vescale.cli.recipe import make_lr_scheduler, make_optimizer
 from vescale.cli.run_layout import RunLayout
+from vescale.cli.text_corpus import tokenizer_file
 from vescale.cli.train_options import TrainOptions
 
 __all__ = ["reference_losses"]
@@ -93,11 +95,26 @@ def reference_losses(options: TrainOptions, layout: RunLayout) -> list[float]:
     """
     torch.set_num_threads(layout.threads_per_rank)
     torch.manual_seed(options.seed)
-    model = resolve_model(options.model).build()
+    source = resolve_model(options.model)
+    model = source.build()
+    weights = pretrained_weights(options.model)
+    if weights is not None:
+        from vescale.dcheckpoint import load_hf
+
+        load_hf(model, weights)
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
     optimizer = make_optimizer(model, options.learning_rate)
     scheduler = make_lr_scheduler(optimizer)
-    dataset = ByteTextDataset(read_text(options.data), layout.sequence_length, options.seed)
+    eos = getattr(source.config, "eos_token_id", None)
+    tokens = training_tokens(
+        options.data,
+        tokenizer_file(options.tokenizer, options.model),
+        options.text_field,
+        eos if isinstance(eos, int) else None,
+    )
+    dataset = TokenDataset(tokens, layout.sequence_length, options.seed)
+    if options.eval_every > 0:
+        dataset, _ = split_for_eval(dataset, options.eval_fraction)
     loader = DataLoader(dataset, batch_size=layout.global_batch_size, shuffle=False, drop_last=True)
     losses: list[float] = []
     batches = iter(loader)

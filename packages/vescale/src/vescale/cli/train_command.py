@@ -23,6 +23,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from vescale.cli.errors import USER_ERROR_EXIT_CODE, CLIUsageError
+from vescale.cli.restart_reports import RestartReporter, describe_exit
+from vescale.cli.run_checkpoints import newest_checkpoint
+from vescale.cli.text_corpus import copy_tokenizer_files, tokenizer_file
 from vescale.cli.train_options import TrainOptions
 
 __all__ = ["LaunchOptions", "torchrun_arguments", "train_command"]
@@ -36,6 +39,7 @@ class LaunchOptions:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None
+    max_restarts: int = 0
 
     @property
     def world_size(self) -> int:
@@ -53,7 +57,7 @@ def torchrun_arguments(options: TrainOptions, launch: LaunchOptions) -> list[str
 
         torchrun_arguments(TrainOptions(), LaunchOptions(nproc=2))
     """
-    arguments = ["--nproc-per-node", str(launch.nproc), "--max-restarts", "0"]
+    arguments = ["--nproc-per-node", str(launch.nproc), "--max-restarts", str(launch.max_restarts)]
     if launch.nnodes == 1 and launch.rdzv_endpoint is None:
         arguments.append("--standalone")
     else:
@@ -71,6 +75,7 @@ def _check_options(options: TrainOptions, launch: LaunchOptions, compare: bool, 
         raise CLIUsageError(f"--nnodes {launch.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address)")
     if not 0 <= launch.node_rank < launch.nnodes:
         raise CLIUsageError(f"--node-rank {launch.node_rank} must be in [0, {launch.nnodes})")
+    _check_run_options(options, launch)
     if compare and options.resume:
         raise CLIUsageError(
             "--compare-single-device trains the reference from the seed, not from a checkpoint; "
@@ -81,7 +86,7 @@ def _check_options(options: TrainOptions, launch: LaunchOptions, compare: bool, 
 
         check_plot_available()
     checkpoint_dir = Path(options.checkpoint_dir)
-    holds_checkpoint = (checkpoint_dir / "latest").is_file()
+    holds_checkpoint = (checkpoint_dir / "latest").is_file() or newest_checkpoint(checkpoint_dir) is not None
     if options.resume and not holds_checkpoint:
         raise CLIUsageError(
             f"--resume: {checkpoint_dir} holds no checkpoint; train without --resume first, "
@@ -93,16 +98,44 @@ def _check_options(options: TrainOptions, launch: LaunchOptions, compare: bool, 
             "--checkpoint-dir to start a new run"
         )
     # The cheap checks above first; these import torch and transformers.
-    from vescale.cli.data import read_text
+    from vescale.cli.data import training_tokens
     from vescale.cli.models import resolve_model
-    from vescale.cli.recipe import default_constraints
+    from vescale.cli.recipe import default_constraints, split_deterministic
     from vescale.planner import Constraints
 
-    Constraints.from_dict(default_constraints(options.constraints, launch.world_size)).check_world_size(
+    constraints, _ = split_deterministic(options.constraints)
+    Constraints.from_dict(default_constraints(constraints, launch.world_size)).check_world_size(
         launch.world_size
     )
-    resolve_model(options.model)
-    read_text(options.data)
+    source = resolve_model(options.model)
+    # Tokenized here, once: the ranks (and every restart) read the cache beside the data.
+    eos = getattr(source.config, "eos_token_id", None)
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    training_tokens(
+        options.data,
+        tokenizer_file(options.tokenizer, options.model),
+        options.text_field,
+        eos if isinstance(eos, int) else None,
+    )
+
+
+def _check_run_options(options: TrainOptions, launch: LaunchOptions) -> None:
+    for flag, value in (("--save-every", options.save_every), ("--max-restarts", launch.max_restarts)):
+        if value < 0:
+            raise CLIUsageError(f"{flag} {value} must be at least 0")
+    if options.keep_last is not None and options.keep_last < 1:
+        raise CLIUsageError(f"--keep-last {options.keep_last}: keep at least the newest checkpoint (>= 1)")
+    if options.log_every < 1 or options.eval_every < 0:
+        raise CLIUsageError(f"--log-every {options.log_every} must be >= 1 and --eval-every >= 0")
+    if launch.max_restarts > 0 and options.save_every == 0:
+        raise CLIUsageError(
+            f"--max-restarts {launch.max_restarts} resumes from the newest periodic checkpoint; "
+            "pass --save-every N too, or a restart would start again from step 0"
+        )
+    if options.tensorboard is not None:
+        from vescale.cli.metrics import check_tensorboard_available
+
+        check_tensorboard_available()
 
 
 def _launch(options: TrainOptions, launch: LaunchOptions) -> None:
@@ -112,17 +145,23 @@ def _launch(options: TrainOptions, launch: LaunchOptions) -> None:
     # Threads per rank: the node's cores shared by its ranks (torchrun's own default is 1).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launch.nproc)))
     # The agent logs every failed rank; the error file (or the rank's own traceback) says it better.
+    # Its failure and restart records become one line per failed attempt (RestartReporter).
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    reporter = RestartReporter(launch.node_rank, launch.nproc, launch.max_restarts)
     try:
-        torchrun.run(torchrun.parse_args(torchrun_arguments(options, launch)))
+        with reporter.listening():
+            torchrun.run(torchrun.parse_args(torchrun_arguments(options, launch)))
     except ChildFailedError as failure:
         error_file = Path(options.error_file) if options.error_file else None
         if error_file is not None and error_file.is_file():
             print(error_file.read_text().strip(), file=sys.stderr)
             sys.exit(USER_ERROR_EXIT_CODE)
         rank, first = failure.get_first_failure()
+        attempts = (
+            f" in attempt {reporter.attempt} of {launch.max_restarts + 1}" if launch.max_restarts else ""
+        )
         print(
-            f"error: training failed on rank {rank} (exit code {first.exitcode}); its traceback is above",
+            f"error: training failed on rank {rank}{attempts}: it {describe_exit(first.exitcode)}",
             file=sys.stderr,
         )
         sys.exit(1)
@@ -160,6 +199,12 @@ def train_command(options: TrainOptions, launch: LaunchOptions, *, compare: bool
         train_command(TrainOptions(steps=20), LaunchOptions(nproc=2), compare=True, plot=None)
     """
     _check_options(options, launch, compare, plot)
+    tokenizer = tokenizer_file(options.tokenizer, options.model)
+    if tokenizer is not None and launch.node_rank == 0:  # kept with the run: export-hf copies them on
+        copy_tokenizer_files(tokenizer, Path(options.checkpoint_dir))
+    if options.resume:  # --steps more steps after the newest checkpoint, however often the ranks restart
+        found = newest_checkpoint(Path(options.checkpoint_dir))
+        options = replace(options, start_step=found[0] if found is not None else 0)
     if compare:
         # Rank-ordered gradient sums: the order the single-device reference can repeat exactly.
         options = replace(options, deterministic=True)

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOSSES_FILE_NAME", "TrainOptions"]
+__all__ = ["LOSSES_FILE_NAME", "METRICS_FILE_NAME", "TrainOptions"]
 
 LOSSES_FILE_NAME = "losses.json"
 """Rank 0 keeps the loss curve of a run (all its resumed parts) beside its checkpoints."""
+METRICS_FILE_NAME = "metrics.jsonl"
+"""Rank 0 appends one JSON object per logged step (and per evaluation) beside the checkpoints."""
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,11 @@ class TrainOptions:
 
     ``deterministic``: sum the data-parallel gradients in rank order (``--compare-single-device``
     sets it, so that one process can repeat the sums). ``error_file``: where the first rank that
-    meets a user error writes its one-line message.
+    meets a user error writes its one-line message. ``start_step``: the step the launch resumed
+    from (0 for a new run); the run ends at ``start_step + steps`` however often it restarts.
+    ``save_every``: an async checkpoint every that many steps (0: only at the end).
+    ``timeout_s``: a step (its collectives included) that takes longer fails the attempt with
+    every rank's Python stack.
     """
 
     model: str = "tiny-llama"
@@ -40,6 +46,26 @@ class TrainOptions:
     learning_rate: float = 3e-3
     deterministic: bool = False
     error_file: str | None = None
+    start_step: int = 0
+    save_every: int = 0
+    keep_last: int | None = None
+    timeout_s: float = 600.0
+    log_every: int = 25
+    tensorboard: str | None = None
+    tokenizer: str | None = None
+    text_field: str = "text"
+    eval_every: int = 0
+    eval_fraction: float = 0.05
+
+    @property
+    def end_step(self) -> int:
+        """The step the run ends at, across resumes and restarts."""
+        return self.start_step + self.steps
+
+    @property
+    def metrics_file(self) -> Path:
+        """The run's ``metrics.jsonl``: one object per logged step and per evaluation."""
+        return Path(self.checkpoint_dir) / METRICS_FILE_NAME
 
     @property
     def losses_file(self) -> Path:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -26,13 +27,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vescale.cli.data import BYTE_VOCABULARY, ByteTextDataset, read_text
+from vescale.cli.data import BYTE_VOCABULARY, TokenDataset, split_for_eval, training_tokens
 from vescale.cli.errors import USER_ERROR_EXIT_CODE, CLIUsageError, format_user_error, user_errors
+from vescale.cli.evaluation import Evaluator
+from vescale.cli.metrics import MetricsLog, flops_per_token, max_memory_bytes, peak_flops
 from vescale.cli.models import resolve_model
+from vescale.cli.pretrained import pretrained_weights, with_pretrained_weights
 from vescale.cli.progress import TrainingProgress
-from vescale.cli.recipe import default_constraints, make_lr_scheduler, make_optimizer
+from vescale.cli.recipe import default_constraints, make_lr_scheduler, make_optimizer, split_deterministic
+from vescale.cli.run_checkpoints import (
+    PeriodicCheckpoints,
+    newest_checkpoint,
+    step_directory,
+    write_json_atomically,
+)
 from vescale.cli.run_layout import RunLayout
+from vescale.cli.text_corpus import tokenizer_file, tokenizer_vocabulary
 from vescale.cli.train_options import TrainOptions
+from vescale.cli.watchdog import StepWatchdog
+from vescale.doptim import clip_grad_norm_
 
 __all__ = ["main", "train"]
 
@@ -57,77 +70,156 @@ def _loss_value(loss: torch.Tensor) -> float:
     return float((full_tensor() if full_tensor else loss).detach())
 
 
-def _read_history(options: TrainOptions) -> dict[str, Any]:
-    if options.resume and options.losses_file.is_file():
-        return json.loads(options.losses_file.read_text())
-    return {"steps": [], "losses": [], "tokens_per_second": []}
+def _read_history(options: TrainOptions, resumed_step: int) -> dict[str, Any]:
+    """The loss curve up to ``resumed_step`` (a killed attempt may have recorded steps past it)."""
+    history: dict[str, Any] = {"steps": [], "losses": [], "tokens_per_second": []}
+    if resumed_step > 0 and options.losses_file.is_file():
+        history = json.loads(options.losses_file.read_text())
+        kept = sum(1 for step in history["steps"] if step <= resumed_step)
+        history["steps"], history["losses"] = history["steps"][:kept], history["losses"][:kept]
+    return history
 
 
-def _print_header(model_name: str, parameters: int, backend: str, plan: Any) -> None:
+def _print_header(model_name: str, parameters: int, backend: str, plan: Any, weights: Path | None) -> None:
     world_size = dist.get_world_size()
     print(
         f"vescale train: {model_name} ({parameters / 1e6:.2f}M parameters) on {world_size} ranks, {backend}"
     )
+    if weights is not None:
+        print(f"weights: {weights} (each rank reads its shards)")
     print(plan, flush=True)
     if plan.data_parallel.deterministic:
         print("data-parallel gradients summed in rank order (deterministic)", flush=True)
 
 
+def _vocabulary_check(options: TrainOptions, vocab_size: int | None, tokenizer: str | None) -> None:
+    if vocab_size is None:
+        return
+    if tokenizer is None:
+        needed, what = BYTE_VOCABULARY, f"byte-level ({BYTE_VOCABULARY} tokens)"
+    else:
+        needed, what = tokenizer_vocabulary(tokenizer), f"tokenized by {tokenizer}"
+        needed_tokens = f"{needed} tokens"
+        what = f"{what} ({needed_tokens})"
+    if vocab_size < needed:
+        raise CLIUsageError(
+            f"--model {options.model!r} has vocab_size={vocab_size}, but the text is {what}; "
+            f"use a config with vocab_size >= {needed}"
+        )
+
+
+def _eos_token_id(config: Any) -> int | None:
+    eos = getattr(config, "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos if isinstance(eos, int) else None
+
+
+def _plan(model: Any, options: TrainOptions) -> Any:
+    import vescale
+
+    constraints, deterministic = split_deterministic(options.constraints)
+    plan = vescale.generate_plan(model, default_constraints(constraints, dist.get_world_size()))
+    if options.deterministic or deterministic:
+        plan = dataclasses.replace(
+            plan, data_parallel=dataclasses.replace(plan.data_parallel, deterministic=True)
+        )
+    return plan
+
+
+def _metrics_entry(
+    step: int, loss: float, lr: float, grad_norm: float, progress: TrainingProgress, device: torch.device
+) -> dict[str, Any]:
+    return {
+        "step": step,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens_per_s": progress.recent_tokens_per_second,
+        "mfu": progress.mfu,
+        "max_memory_bytes": max_memory_bytes(device),
+    }
+
+
 def train(options: TrainOptions) -> None:
     """Run the training loop of ``options`` on this rank (the process group is set up here).
+
+    Resumes from the newest complete checkpoint with ``--resume`` and in every restarted attempt
+    (torchrun's ``TORCHELASTIC_RESTART_COUNT``), and trains until ``options.end_step``.
 
     Example::
 
         train(TrainOptions(steps=20, checkpoint_dir="ckpt/tiny"))   # under torch.distributed.run
     """
     import vescale
+    from vescale.dcheckpoint import RNGState
 
     device, backend = _init_process_group()
-    is_rank0 = dist.get_rank() == 0
+    rank, attempt = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + 1
+    is_rank0 = rank == 0
     source = resolve_model(options.model)
-    if source.vocab_size is not None and source.vocab_size < BYTE_VOCABULARY:
-        raise CLIUsageError(
-            f"--model {options.model!r} has vocab_size={source.vocab_size}, but the text is byte-level "
-            f"({BYTE_VOCABULARY} tokens); use a config with vocab_size >= {BYTE_VOCABULARY}"
-        )
+    weights = pretrained_weights(options.model)
+    tokenizer = tokenizer_file(options.tokenizer, options.model)
+    _vocabulary_check(options, source.vocab_size, tokenizer)
     vescale.manual_seed(options.seed)
     model = vescale.deferred_init(source.build)
     parameters = sum(parameter.numel() for parameter in model.parameters())
-    plan = vescale.generate_plan(model, default_constraints(options.constraints, dist.get_world_size()))
-    if options.deterministic:
-        plan = dataclasses.replace(
-            plan, data_parallel=dataclasses.replace(plan.data_parallel, deterministic=True)
-        )
+    plan = _plan(model, options)
+    flops_per_step = (
+        flops_per_token(model, plan.sequence_length) * plan.global_batch_size * plan.sequence_length
+    )
     if is_rank0:
-        _print_header(source.name, parameters, backend, plan)
-    dataset = ByteTextDataset(read_text(options.data), plan.sequence_length, options.seed)
+        _print_header(source.name, parameters, backend, plan, weights)
+    tokens = training_tokens(options.data, tokenizer, options.text_field, _eos_token_id(source.config))
+    dataset = TokenDataset(tokens, plan.sequence_length, options.seed)
+    held_out = None
+    if options.eval_every > 0:
+        dataset, held_out = split_for_eval(dataset, options.eval_fraction)
     model, optimizer, scheduler, loader = vescale.parallelize(
         plan,
         model,
-        lambda module: make_optimizer(module, options.learning_rate),
+        with_pretrained_weights(lambda module: make_optimizer(module, options.learning_rate), weights),
         make_lr_scheduler,
         dataset,
         compile=options.compile,
     )
+    evaluator = Evaluator(held_out, loader, plan, device) if held_out is not None else None
     state = {
         "plan": plan,
         "model": model,
         "optimizer": optimizer,
         "lr_scheduler": scheduler,
         "data_loader": loader,
+        "rng": RNGState(),
     }
     checkpoint_dir = Path(options.checkpoint_dir)
-    history = _read_history(options)
-    if options.resume:
-        vescale.load(checkpoint_dir, state)
+    found = newest_checkpoint(checkpoint_dir) if options.resume or attempt > 1 else None
+    if found is not None:
+        vescale.load(found[1], state)
     first_step = scheduler.last_epoch
-    if is_rank0 and options.resume:
+    history = _read_history(options, first_step) if is_rank0 else {}
+    if is_rank0 and found is not None:
         last = f", last loss {history['losses'][-1]:.4f}" if history["losses"] else ""
-        print(f"resumed from {checkpoint_dir} at step {first_step}{last}", flush=True)
-    tokens_per_step = plan.global_batch_size * plan.sequence_length
+        where = f"attempt {attempt}: " if attempt > 1 else ""
+        print(f"{where}resumed from {checkpoint_dir} at step {first_step}{last}", flush=True)
+    peak, _ = peak_flops(device) if is_rank0 else (None, "")
+    saver = PeriodicCheckpoints(checkpoint_dir, options.save_every, options.keep_last, options.end_step)
     batches = iter(loader)
-    with TrainingProgress(options.steps, first_step, tokens_per_step, enabled=is_rank0) as progress:
-        for step in range(first_step, first_step + options.steps):
+    with (
+        StepWatchdog(options.timeout_s, rank) as watchdog,
+        MetricsLog(options.metrics_file, options.tensorboard, first_step, enabled=is_rank0) as metrics,
+        TrainingProgress(
+            options.end_step - first_step,
+            first_step,
+            plan.global_batch_size * plan.sequence_length,
+            enabled=is_rank0,
+            log_every=options.log_every,
+            flops_per_step=flops_per_step,
+            peak_flops=peak * dist.get_world_size() if peak else None,
+        ) as progress,
+    ):
+        for step in range(first_step, options.end_step):
+            watchdog.arm(step + 1)
             started = time.perf_counter()
             try:
                 batch = next(batches)
@@ -136,24 +228,50 @@ def train(options: TrainOptions) -> None:
                 batch = next(batches)
             loss = model(**{name: tensor.to(device) for name, tensor in batch.items()}).loss
             loss.backward()
+            logs = progress.logs(step)
+            # Scaling by min(1, inf / norm) = 1 leaves the gradients bit for bit; only the norm is wanted.
+            grad_norm = float(clip_grad_norm_(optimizer, math.inf)) if logs else math.nan
+            lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             optimizer.zero_grad()
             scheduler.step()
             loss_value = _loss_value(loss)
             progress.update(step, loss_value, time.perf_counter() - started)
-            history["steps"].append(step + 1)
-            history["losses"].append(loss_value)
-    saved_at = checkpoint_dir / f"step-{first_step + options.steps:06d}"
-    vescale.save(saved_at, state)
+            if is_rank0:
+                history["steps"].append(step + 1)
+                history["losses"].append(loss_value)
+            if logs:
+                metrics.write(_metrics_entry(step + 1, loss_value, lr, grad_norm, progress, device))
+            if evaluator is not None and (
+                (step + 1) % options.eval_every == 0 or step + 1 == options.end_step
+            ):
+                eval_loss = evaluator.loss(model)
+                metrics.write(
+                    {"step": step + 1, "eval_loss": eval_loss, "eval_perplexity": math.exp(eval_loss)}
+                )
+                if is_rank0:
+                    progress.console.print(
+                        f"step {step + 1:>6}  eval loss {eval_loss:.4f}  "
+                        f"perplexity {math.exp(eval_loss):.2f}",
+                        highlight=False,
+                    )
+            if saver.due(step + 1):
+                if is_rank0:  # before the save: a checkpoint never lacks its steps' losses
+                    write_json_atomically(options.losses_file, history)
+                saver.save(step + 1, state)
+        watchdog.disarm()
+    saver.finish()
     if is_rank0:
         history["tokens_per_second"].append(progress.tokens_per_second)
         history["layout"] = RunLayout.of_plan(plan, torch.get_num_threads(), device.type).to_dict()
-        options.losses_file.write_text(json.dumps(history))
+        write_json_atomically(options.losses_file, history)
         if source.config is not None:
             source.config.to_json_file(str(checkpoint_dir / "config.json"))
+        last = f"loss {history['losses'][-1]:.4f}, " if history["losses"] else ""
         print(
-            f"done: {options.steps} steps, loss {history['losses'][-1]:.4f}, "
-            f"{progress.tokens_per_second:,.0f} tokens/s; checkpoint saved to {saved_at}",
+            f"done: {options.end_step - first_step} steps, {last}"
+            f"{progress.tokens_per_second:,.0f} tokens/s; checkpoint saved to "
+            f"{step_directory(checkpoint_dir, options.end_step)}",
             flush=True,
         )
     dist.destroy_process_group()

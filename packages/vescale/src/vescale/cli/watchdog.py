@@ -1,0 +1,100 @@
+"""``--timeout``: a training step that makes no progress fails the attempt, with the rank's stacks.
+
+A rank that hangs (a peer stopped, a collective that never completes) would otherwise wait
+forever, and torchrun's agent sees nothing wrong. :class:`StepWatchdog` is re-armed at every
+step; when a step takes longer than the timeout, a watchdog thread prints which rank and step
+stalled, dumps every thread's Python stack (``faulthandler``) and exits with
+:data:`TIMEOUT_EXIT_CODE`, so the agent stops the other ranks and restarts the group
+(``--max-restarts``). The collectives release the GIL while they wait, so the thread runs; a
+``faulthandler`` timer a little later, in C, covers a rank stuck with the GIL held.
+
+Example::
+
+    with StepWatchdog(timeout_s=60, rank=0) as watchdog:
+        for step in range(100):
+            watchdog.arm(step)
+            train_step()
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+
+__all__ = ["TIMEOUT_EXIT_CODE", "StepWatchdog"]
+
+TIMEOUT_EXIT_CODE = 3
+"""Exit status of a rank the watchdog stopped (the launcher names it in its message)."""
+
+# The C timer's margin behind the Python thread: the thread's message comes first when it can run.
+_FALLBACK_MARGIN_S = 10.0
+
+
+class StepWatchdog:
+    """Stops this rank with its stacks when :meth:`arm` is not called again within ``timeout_s``."""
+
+    def __init__(self, timeout_s: float, rank: int) -> None:
+        self.timeout_s = timeout_s
+        self.rank = rank
+        self._step = 0
+        self._armed = threading.Event()
+        self._progress = threading.Condition()
+        self._generation = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._watch, name="vescale-step-watchdog", daemon=True)
+
+    def __enter__(self) -> StepWatchdog:
+        if self.timeout_s > 0:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.disarm()
+        with self._progress:
+            self._closed = True
+            self._progress.notify()
+
+    def arm(self, step: int) -> None:
+        """Start (or restart) the countdown for global step ``step`` (1-based)."""
+        if self.timeout_s <= 0:
+            return
+        with self._progress:
+            self._step = step
+            self._generation += 1
+            self._armed.set()
+            self._progress.notify()
+        faulthandler.dump_traceback_later(self.timeout_s + _FALLBACK_MARGIN_S, exit=True, file=sys.stderr)
+
+    def disarm(self) -> None:
+        """Stop the countdown (e.g. before the end-of-run save, which has no step to time)."""
+        if self.timeout_s <= 0:
+            return
+        with self._progress:
+            self._generation += 1
+            self._armed.clear()
+            self._progress.notify()
+        faulthandler.cancel_dump_traceback_later()
+
+    def _watch(self) -> None:
+        with self._progress:
+            while not self._closed:
+                if not self._armed.is_set():
+                    self._progress.wait()
+                    continue
+                generation = self._generation
+                self._progress.wait(self.timeout_s)
+                if self._generation == generation and self._armed.is_set() and not self._closed:
+                    self._fail()
+
+    def _fail(self) -> None:
+        print(
+            f"error: rank {self.rank} made no progress in step {self._step} for {self.timeout_s:g} s "
+            "(--timeout); the Python stacks of its threads:",
+            file=sys.stderr,
+            flush=True,
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(TIMEOUT_EXIT_CODE)

@@ -35,3 +35,4 @@ __all__ = [
 ]
 
 __version__ = _distribution_version("vescale-dmodule")
+from vescale.dmodule.experts import parallelize_experts as parallelize_experts

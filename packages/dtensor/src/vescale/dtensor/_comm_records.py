@@ -7,6 +7,9 @@ apply another convention. The sizes are those of the tensors the collective real
 where DTensor pads an uneven shard before an all-gather or reduce-scatter, the padding
 counts; veScale's Shard(i) -> Shard(j) all-to-all sends the exact pieces, unpadded.
 
+Calls issued inside :func:`~vescale.dtensor.comm.comm_scope` carry its label (``scope``), so
+that one module's collectives (an MoE layer's all-to-alls) can be summed apart.
+
 Example::
 
     call = counter.calls[0]
@@ -32,6 +35,7 @@ __all__ = [
     "CollectiveTotals",
     "CommAccountingError",
     "bytes_moved",
+    "scope_matches",
 ]
 
 # The mesh-dim key of collectives on the default (world) group, and on any other group that
@@ -73,7 +77,9 @@ class CollectiveCall:
     the op runs, ``issued_ns`` when it returned (the work may still be in flight),
     ``completed_ns`` when the completion was seen (a functional collective's
     ``wait_tensor``, or an eager call's work finishing), ``None`` if it never was inside
-    the counter.
+    the counter. ``scope`` is the label of the innermost
+    :func:`vescale.dtensor.comm.comm_scope` open when the call was issued (e.g.
+    ``"model.layers.0.mlp.experts/dispatch"``), ``None`` outside every scope.
     """
 
     index: int
@@ -94,6 +100,7 @@ class CollectiveCall:
     start_ns: int
     issued_ns: int
     completed_ns: int | None = None
+    scope: str | None = None
 
     @property
     def element_size(self) -> int:
@@ -123,6 +130,16 @@ class CollectiveTotals:
             self.bytes_sent + call.bytes_sent,
             self.bytes_received + call.bytes_received,
         )
+
+
+def scope_matches(scope: str | None, wanted: str) -> bool:
+    """Whether a call's ``scope`` is ``wanted`` or lies under it (``wanted + "/..."``).
+
+    Example::
+
+        scope_matches("layers.0.mlp.experts/dispatch", "layers.0.mlp.experts")   # True
+    """
+    return scope is not None and (scope == wanted or scope.startswith(wanted + "/"))
 
 
 def bytes_moved(

@@ -5,20 +5,26 @@ functional collectives DTensor's redistribution issues (``torch.ops._c10d_functi
 with their ``wait_tensor``) and eager ``torch.distributed`` calls (``dist.all_reduce`` and
 the rest reach the ``c10d`` ops). Each call is attributed to the counter mesh's dim whose
 process group it ran on (by name when the mesh names its dims), else to ``"world"`` or
-``"other"``; its bytes follow :func:`bytes_moved` (ring algorithm, per rank).
+``"other"``; its bytes follow :func:`bytes_moved` (ring algorithm, per rank). Code that issues
+collectives for one module labels them with :func:`comm_scope` (MoE all-to-alls: the experts
+module's FQN and ``/dispatch`` or ``/combine``), and the counter sums them per label.
 
 Example::
 
     with CommCounter(mesh) as counter:
         weight.redistribute(mesh, [Replicate(), Replicate()])
     print(counter.table()); counter.count("all_gather", "tp")   # 1
+    with comm_scope("layers.0.mlp.experts/dispatch"):
+        dist.all_to_all_single(output, input, group=ep_group)   # counted under that scope
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,6 +43,7 @@ from vescale.dtensor._comm_records import (
     CollectiveTotals,
     CommAccountingError,
     bytes_moved,
+    scope_matches,
 )
 
 __all__ = [
@@ -50,10 +57,44 @@ __all__ = [
     "CommAccountingError",
     "CommCounter",
     "bytes_moved",
+    "comm_scope",
+    "current_comm_scope",
+    "scope_matches",
 ]
 
 _FUNCTIONAL = _compat.FUNCTIONAL_COLLECTIVE_NAMESPACE
 _C10D = _compat.C10D_COLLECTIVE_NAMESPACE
+
+# The label of the innermost open comm_scope (a context variable: an autograd backward that
+# opens its own scope does not see the forward's).
+_SCOPE: contextvars.ContextVar[str | None] = contextvars.ContextVar("vescale_comm_scope", default=None)
+
+
+@contextlib.contextmanager
+def comm_scope(label: str) -> Iterator[None]:
+    """Label the collectives issued inside (``CollectiveCall.scope``); scopes nest, the innermost wins.
+
+    Example::
+
+        with comm_scope(f"{fqn}/dispatch"):
+            dist.all_to_all_single(received, tokens, output_splits, input_splits, group=group)
+    """
+    token = _SCOPE.set(label)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def current_comm_scope() -> str | None:
+    """The label of the innermost open :func:`comm_scope`, or ``None``.
+
+    Example::
+
+        with comm_scope("experts"):
+            assert current_comm_scope() == "experts"
+    """
+    return _SCOPE.get()
 
 
 @dataclass
@@ -309,6 +350,7 @@ class CommCounter(_compat.torch_dispatch_mode_class()):
                 issued_ns=issued_ns,
                 # DTensor's own all-to-all op waits before it returns.
                 completed_ns=issued_ns if func.namespace == _compat.DTENSOR_OP_NAMESPACE else None,
+                scope=_SCOPE.get(),
             )
             self._calls.append(call)
             if func.namespace == _FUNCTIONAL:
@@ -359,13 +401,31 @@ class CommCounter(_compat.torch_dispatch_mode_class()):
             totals[key] = totals.get(key, CollectiveTotals()).add(call)
         return totals
 
-    def totals(self, collective: str | None = None, mesh_dim: str | int | None = None) -> CollectiveTotals:
-        """The calls of one collective and/or mesh dim summed (``None`` matches every one).
+    def scopes(self) -> dict[tuple[str, str | int, str | None], CollectiveTotals]:
+        """``{(collective, mesh_dim, scope): CollectiveTotals}``: :meth:`summary` split by
+        :func:`comm_scope` label, keys in order of first occurrence.
+
+        Example::
+
+            counter.scopes()[("all_to_all", "ep", "model.layers.1.mlp.experts/dispatch")].bytes_sent
+        """
+        totals: dict[tuple[str, str | int, str | None], CollectiveTotals] = {}
+        for call in self.calls:
+            key = (call.collective, call.mesh_dim, call.scope)
+            totals[key] = totals.get(key, CollectiveTotals()).add(call)
+        return totals
+
+    def totals(
+        self, collective: str | None = None, mesh_dim: str | int | None = None, scope: str | None = None
+    ) -> CollectiveTotals:
+        """The calls of one collective and/or mesh dim and/or scope summed (``None`` matches every one).
+
+        ``scope`` matches a :func:`comm_scope` label and every label under it (``scope + "/..."``).
 
         Example::
 
             counter.totals(mesh_dim="tp").bytes_sent   # every tp collective's bytes
-            counter.totals("all_reduce").count
+            counter.totals("all_to_all", scope="model.layers.1.mlp.experts").count
         """
         if collective is not None and collective not in COLLECTIVES:
             raise CommAccountingError(
@@ -373,11 +433,17 @@ class CommCounter(_compat.torch_dispatch_mode_class()):
             )
         result = CollectiveTotals()
         for call in self.calls:
-            if collective in (None, call.collective) and (mesh_dim is None or mesh_dim == call.mesh_dim):
+            if (
+                collective in (None, call.collective)
+                and (mesh_dim is None or mesh_dim == call.mesh_dim)
+                and (scope is None or scope_matches(call.scope, scope))
+            ):
                 result = result.add(call)
         return result
 
-    def count(self, collective: str | None = None, mesh_dim: str | int | None = None) -> int:
+    def count(
+        self, collective: str | None = None, mesh_dim: str | int | None = None, scope: str | None = None
+    ) -> int:
         """How many calls of ``collective`` on ``mesh_dim`` (``None`` matches every one).
 
         Example::
@@ -385,7 +451,7 @@ class CommCounter(_compat.torch_dispatch_mode_class()):
             assert counter.count("all_reduce", "tp") == 4
             assert counter.count() == 4   # nothing else was issued
         """
-        return self.totals(collective, mesh_dim).count
+        return self.totals(collective, mesh_dim, scope).count
 
     def table(self) -> str:
         """A readable table: one row per (collective, mesh dim), then the total.

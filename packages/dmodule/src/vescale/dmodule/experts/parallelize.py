@@ -1,0 +1,215 @@
+"""``parallelize_experts``: shard an unmodified MoE model's experts over the ``ep`` mesh dim.
+
+Each MoE block found by :func:`~vescale.dmodule.experts.detect.find_moe_blocks` keeps its
+module classes, FQNs and router; on its experts module instance:
+
+* every expert parameter (3-D weights, 2-D biases) becomes a DTensor ``Shard(0)`` on
+  ``ep_dim`` and ``Replicate`` on every other mesh dim: each rank holds E/ep whole experts,
+  taken from the full parameter it already has (no communication, bitwise the same slice);
+* ``forward`` (an instance attribute; the ``transformers`` class is untouched) dispatches the
+  tokens to the experts' owners and combines the outputs (:mod:`.dispatch`), with the
+  capacity factor given, and keeps the last count of dropped pairs in ``dropped_pairs``.
+
+Everything else stays as it was: under EP the batch is split over every batch dim (dp and
+ep), and the non-expert parameters are data-parallel over all of them (see
+:mod:`.gradients`). The model's load-balancing loss becomes that of the global batch
+(:func:`~vescale.dmodule.experts.aux_loss.attach_global_aux_loss` over the batch dims).
+
+Example::
+
+    mesh = init_mesh(dp=2, ep=2)
+    parallelize_experts(model, mesh)                 # experts Shard(0) over ep, Replicate over dp
+    loss = model(input_ids=my_share, labels=my_share).loss
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from vescale.dmodule.experts.aux_loss import attach_global_aux_loss
+from vescale.dmodule.experts.detect import MoEBlock, find_moe_blocks
+from vescale.dmodule.experts.dispatch import dispatch_and_combine
+from vescale.dmodule.experts.errors import ExpertParallelError
+from vescale.dmodule.experts.local_experts import LocalExperts
+
+__all__ = [
+    "BATCH_DIM_NAMES",
+    "EXPERT_PARALLEL_ATTRIBUTE",
+    "ExpertParallelState",
+    "batch_dims_of",
+    "expert_parallel_state",
+    "is_expert_parameter",
+    "parallelize_experts",
+]
+
+logger = logging.getLogger("vescale.dmodule")
+
+# The experts module carries its ExpertParallelState, and each expert parameter the ep dim name.
+EXPERT_PARALLEL_ATTRIBUTE = "_vescale_expert_parallel"
+# Mesh dims that split the batch by default (with the ep dim itself).
+BATCH_DIM_NAMES = ("dp", "dp_replicate", "dp_shard")
+
+
+@dataclass
+class ExpertParallelState:
+    """What an expert-parallel experts module needs at run time (kept on the module)."""
+
+    fqn: str
+    mesh: DeviceMesh
+    ep_dim: str
+    num_experts: int
+    capacity_factor: float | None
+    local_experts: LocalExperts
+    dropped_pairs: int = 0
+    block: MoEBlock | None = field(default=None, repr=False)
+
+    @property
+    def group(self) -> Any:
+        return self.mesh.get_group(self.ep_dim)
+
+
+def expert_parallel_state(module: nn.Module) -> ExpertParallelState | None:
+    """The :class:`ExpertParallelState` of an experts module made expert-parallel, else ``None``.
+
+    Example::
+
+        expert_parallel_state(model.model.layers[0].mlp.experts).dropped_pairs
+    """
+    return getattr(module, EXPERT_PARALLEL_ATTRIBUTE, None)
+
+
+def is_expert_parameter(param: torch.Tensor) -> bool:
+    """Whether ``param`` is an expert parameter sharded over an ep dim by :func:`parallelize_experts`.
+
+    Example::
+
+        [name for name, p in model.named_parameters() if is_expert_parameter(p)]
+    """
+    return getattr(param, EXPERT_PARALLEL_ATTRIBUTE, None) is not None
+
+
+def batch_dims_of(mesh: DeviceMesh, ep_dim: str = "ep") -> tuple[str, ...]:
+    """The mesh dims the global batch is split over: the data-parallel dims and ``ep_dim``.
+
+    Example::
+
+        batch_dims_of(init_mesh(dp=2, ep=2, tp=1))   # ('dp', 'ep')
+    """
+    return tuple(dim for dim in mesh.mesh_dim_names or () if dim in (*BATCH_DIM_NAMES, ep_dim))
+
+
+def _expert_parallel_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    state: ExpertParallelState = getattr(self, EXPERT_PARALLEL_ATTRIBUTE)
+    output, state.dropped_pairs = dispatch_and_combine(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        state.local_experts,
+        num_experts=state.num_experts,
+        group=state.group,
+        capacity_factor=state.capacity_factor,
+        scope=state.fqn,
+    )
+    return output
+
+
+def _shard_parameter(param: nn.Parameter, mesh: DeviceMesh, ep_index: int, ep_dim: str) -> nn.Parameter:
+    placements = [Shard(0) if index == ep_index else Replicate() for index in range(mesh.ndim)]
+    ep_size, ep_rank = mesh.size(ep_index), mesh.get_local_rank(ep_dim)
+    per_rank = param.shape[0] // ep_size
+    local = param.detach()[ep_rank * per_rank : (ep_rank + 1) * per_rank].clone()
+    sharded = DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+    new_param = nn.Parameter(sharded, requires_grad=param.requires_grad)
+    setattr(new_param, EXPERT_PARALLEL_ATTRIBUTE, ep_dim)
+    return new_param
+
+
+def _check_block(block: MoEBlock, experts: nn.Module, ep_size: int, ep_dim: str) -> None:
+    if block.num_experts % ep_size:
+        raise ExpertParallelError(
+            f"{block.experts_fqn}: {block.num_experts} experts do not split over {ep_dim}={ep_size} "
+            f"(each rank must hold whole experts); use an {ep_dim} size that divides {block.num_experts}"
+        )
+    for name in block.expert_parameters:
+        if isinstance(experts._parameters[name], DTensor):
+            raise ExpertParallelError(
+                f"{block.experts_fqn}.{name} is a DTensor already ({experts._parameters[name].placements}); "
+                "call parallelize_experts once, before any other sharding of the experts"
+            )
+
+
+def parallelize_experts(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    ep_dim: str = "ep",
+    capacity_factor: float | None = None,
+    batch_dims: Sequence[str] | None = None,
+    use_grouped_mm: bool | None = None,
+) -> nn.Module:
+    """Shard ``model``'s experts over ``mesh[ep_dim]`` and dispatch tokens to them (in place).
+
+    ``capacity_factor`` (default dropless) caps each source rank's pairs per expert at
+    ``ceil(factor · tokens · k / E)``; ``batch_dims`` (default :func:`batch_dims_of`) are the
+    dims the global batch is split over, for the global load-balancing loss;
+    ``use_grouped_mm=False`` forces one matmul per local expert.
+
+    Example::
+
+        parallelize_experts(model, init_mesh(ep=4))
+        model(input_ids=ids, labels=ids).loss.backward()   # then average grads (see .gradients)
+    """
+    names = mesh.mesh_dim_names or ()
+    if ep_dim not in names:
+        raise ExpertParallelError(
+            f"the mesh has no {ep_dim!r} dim (its dims: {names}); build it with one, e.g. "
+            f"init_mesh(dp=2, {ep_dim}=2), or pass ep_dim= one of {names}"
+        )
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ExpertParallelError(
+            f"capacity_factor must be positive or None (dropless), not {capacity_factor!r}"
+        )
+    ep_index = names.index(ep_dim)
+    ep_size = mesh.size(ep_index)
+    blocks = find_moe_blocks(model)
+    if not blocks:
+        raise ExpertParallelError(
+            f"{type(model).__name__} has no MoE block (a module with a fused 'experts' child holding 3-D "
+            "'gate_up_proj'/'up_proj' and 'down_proj'); expert parallelism has nothing to shard"
+        )
+    for block in blocks:
+        experts = model.get_submodule(block.experts_fqn)
+        _check_block(block, experts, ep_size, ep_dim)
+        local_experts = LocalExperts(experts, use_grouped_mm=use_grouped_mm)
+        for name in block.expert_parameters:
+            experts._parameters[name] = _shard_parameter(experts._parameters[name], mesh, ep_index, ep_dim)
+        state = ExpertParallelState(
+            block.experts_fqn, mesh, ep_dim, block.num_experts, capacity_factor, local_experts, block=block
+        )
+        setattr(experts, EXPERT_PARALLEL_ATTRIBUTE, state)
+        experts.forward = types.MethodType(_expert_parallel_forward, experts)
+    if batch_dims is None:
+        batch_dims = batch_dims_of(mesh, ep_dim)
+    attach_global_aux_loss(model, mesh, batch_dims=batch_dims)
+    logger.info(
+        "expert parallelism over %s=%d: %d MoE blocks, %d experts each, %d per rank",
+        ep_dim,
+        ep_size,
+        len(blocks),
+        blocks[0].num_experts,
+        blocks[0].num_experts // ep_size,
+    )
+    return model

@@ -1,0 +1,157 @@
+"""One sweep cell: an architecture under one mode, judged against its single-process reference.
+
+A cell is ``pass`` (every compared number within its bound), ``silent`` (the run finished
+without an error but a number is off: the worst outcome), ``error`` (an exception or a hang;
+the cell shows the error's first line) or ``not runnable`` (the architecture does not train in
+one process at its tiny configuration, so it has no reference).
+
+Example::
+
+    cell = Cell.from_error(ValueError("bad plan"))
+    assert cell.status == "error" and cell.text == "ValueError: bad plan"
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "ERROR_TEXT_CHARS",
+    "GRAD_RTOL",
+    "LOSS_RTOL",
+    "STATUSES",
+    "STEP_LOSS_RTOL",
+    "Cell",
+    "error_line",
+    "judge_losses",
+    "judge_step",
+]
+
+LOSS_RTOL = 1e-5  # one step's loss under TP (issue 18): sharded sums differ by a few ulps
+GRAD_RTOL = 1e-4  # every gradient, ‖parallel − reference‖∞ / ‖reference‖∞
+STEP_LOSS_RTOL = 1e-4  # the losses of several optimizer steps (AdamW amplifies the ulps)
+ERROR_TEXT_CHARS = 120
+STATUSES = ("pass", "error", "silent", "not runnable")
+# A gradient whose reference is below this fraction of the model's largest gradient is zero in
+# exact arithmetic (vescale.dtensor.testing.numerics): measured against the largest one instead.
+ZERO_GRADIENT_FRACTION = 1e-6
+
+
+def error_line(error: BaseException | str) -> str:
+    """``Type: first line of the message``, trimmed to :data:`ERROR_TEXT_CHARS`."""
+    if isinstance(error, BaseException):
+        message = (str(error).strip().splitlines() or [""])[0]
+        text = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    else:
+        text = error
+    return text if len(text) <= ERROR_TEXT_CHARS else text[: ERROR_TEXT_CHARS - 1] + "…"
+
+
+@dataclass
+class Cell:
+    """The outcome of one architecture under one mode."""
+
+    status: str
+    text: str
+    seconds: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_error(cls, error: BaseException | str, seconds: float = 0.0, **details: Any) -> Cell:
+        return cls("error", error_line(error), seconds, details)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Cell:
+        return cls(**values)
+
+
+def _relative(parallel, reference, scale: float | None = None) -> float:
+    difference = (parallel.double() - reference.double()).abs().max().item()
+    denominator = scale if scale is not None else reference.double().abs().max().item()
+    if math.isnan(difference):
+        return math.inf
+    if denominator == 0.0:
+        return 0.0 if difference == 0.0 else math.inf
+    return difference / denominator
+
+
+def judge_step(
+    loss: float,
+    gradients: dict[str, Any],
+    reference_loss: float,
+    reference_gradients: dict[str, Any],
+    seconds: float = 0.0,
+) -> Cell:
+    """Compare one step's loss (``LOSS_RTOL``) and every gradient (``GRAD_RTOL``) with the reference."""
+    loss_error = abs(loss - reference_loss) / abs(reference_loss) if reference_loss else abs(loss)
+    if math.isnan(loss_error):
+        loss_error = math.inf
+    scale = max(
+        (grad.abs().max().item() for grad in reference_gradients.values() if grad is not None), default=0.0
+    )
+    grad_errors: dict[str, float] = {}
+    problems: list[str] = []
+    for name, reference_grad in reference_gradients.items():
+        grad = gradients.get(name, "missing")
+        if isinstance(grad, str) or (grad is None) != (reference_grad is None):
+            problems.append(
+                f"gradient of {name} is {'missing' if grad is None or grad == 'missing' else 'extra'}"
+            )
+            continue
+        if grad is None:
+            continue
+        if tuple(grad.shape) != tuple(reference_grad.shape):
+            problems.append(
+                f"gradient of {name} has shape {tuple(grad.shape)}, reference {tuple(reference_grad.shape)}"
+            )
+            continue
+        own = reference_grad.abs().max().item()
+        grad_errors[name] = _relative(
+            grad, reference_grad, scale if own < ZERO_GRADIENT_FRACTION * scale else None
+        )
+    extra = sorted(set(gradients) - set(reference_gradients))
+    if extra:
+        problems.append(f"parameters not in the reference: {extra[0]}")
+    worst = max(grad_errors.items(), key=lambda item: item[1], default=("", 0.0))
+    details = {
+        "loss_error": loss_error,
+        "worst_grad": list(worst),
+        "loss": loss,
+        "reference_loss": reference_loss,
+    }
+    if problems:
+        return Cell("silent", error_line(f"✘ silently wrong: {problems[0]}"), seconds, details)
+    if loss_error > LOSS_RTOL:
+        text = f"✘ silently wrong: loss rel {loss_error:.1e}"
+        if worst[1] > GRAD_RTOL:
+            text += f", grad {worst[0]} rel {worst[1]:.1e}"
+        return Cell("silent", error_line(text), seconds, details)
+    if worst[1] > GRAD_RTOL:
+        return Cell(
+            "silent", error_line(f"✘ silently wrong: grad {worst[0]} rel {worst[1]:.1e}"), seconds, details
+        )
+    return Cell("pass", "✔", seconds, details)
+
+
+def judge_losses(
+    losses: list[float], reference: list[float], seconds: float = 0.0, what: str = "loss"
+) -> Cell:
+    """Compare per-step losses with the reference's (``STEP_LOSS_RTOL`` at every step)."""
+    if len(losses) != len(reference):
+        return Cell(
+            "silent", f"✘ silently wrong: {len(losses)} steps ({what}), reference {len(reference)}", seconds
+        )
+    errors = [abs(a - b) / abs(b) if b else abs(a) for a, b in zip(losses, reference, strict=True)]
+    errors = [math.inf if math.isnan(e) else e for e in errors]
+    step = max(range(len(errors)), key=errors.__getitem__, default=0)
+    details = {"loss_errors": errors, "losses": losses, "reference": reference}
+    if errors and errors[step] > STEP_LOSS_RTOL:
+        return Cell(
+            "silent", f"✘ silently wrong: {what} of step {step + 1} rel {errors[step]:.1e}", seconds, details
+        )
+    return Cell("pass", "✔", seconds, details)

@@ -1,0 +1,132 @@
+"""The sweep's modes: what each sends to the ranks and how its results are judged.
+
+A :class:`Mode` names its world size, builds a case's payload from the architecture's
+single-process :class:`References`, and turns the ranks' results into a :class:`Cell`.
+
+Example::
+
+    mode = MODES["tp2"]
+    payload = mode.payload(References("llama"))
+    cell = mode.judge(per_rank_results, References("llama"))
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hf_sweep_lib.cells import Cell, judge_losses, judge_step
+from hf_sweep_lib.parallelize_modes import (
+    CONSTRAINTS,
+    PARALLELIZE_WORLD_SIZES,
+    SAVE_AFTER,
+    STEPS,
+    reference_losses,
+)
+from hf_sweep_lib.tp_modes import TP_MODES, reference_step
+
+__all__ = ["MODES", "Mode", "References"]
+
+
+class References:
+    """The single-process references of one architecture, each computed on first use."""
+
+    def __init__(self, arch: str) -> None:
+        self.arch = arch
+        self._cache: dict[str, Any] = {}
+
+    def get(self, name: str, compute: Callable[[str], Any]) -> Any:
+        if name not in self._cache:
+            self._cache[name] = compute(self.arch)
+        return self._cache[name]
+
+    def step(self) -> tuple[float, dict, dict]:
+        """Loss, gradients and initial ``state_dict`` of one step."""
+        return self.get("step", reference_step)
+
+    def losses(self) -> list[float]:
+        """The losses of single-process training (``hf_sweep_lib.parallelize_modes``)."""
+        return self.get("losses", reference_losses)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One column of the sweep."""
+
+    name: str
+    world_size: int
+    payload: Callable[[References], Any]
+    judge: Callable[[list[dict[str, Any]], References], Cell]
+
+
+def _first_error(results: list[dict[str, Any]]) -> Cell | None:
+    failed = [result for result in results if "error" in result]
+    if not failed:
+        return None
+    return Cell.from_error(
+        failed[0]["error"], max(r["seconds"] for r in results), traceback=failed[0]["traceback"]
+    )
+
+
+def _tp_mode(name: str, tp: int, sequence_parallel: bool) -> Mode:
+    def payload(references: References) -> dict[str, Any]:
+        return {"tp": tp, "sequence_parallel": sequence_parallel, "state_dict": references.step()[2]}
+
+    def judge(results: list[dict[str, Any]], references: References) -> Cell:
+        error = _first_error(results)
+        if error is not None:
+            return error
+        reference_loss, reference_gradients, _ = references.step()
+        seconds = max(result["seconds"] for result in results)
+        return judge_step(
+            results[0]["loss"], results[0]["gradients"], reference_loss, reference_gradients, seconds
+        )
+
+    return Mode(name, tp, payload, judge)
+
+
+def _ranks_disagree(results: list[dict[str, Any]], key: str, seconds: float) -> Cell | None:
+    """Every rank must report the whole batch's loss; a rank that reports another is wrong."""
+    for result in results[1:]:
+        cell = judge_losses(result[key], results[0][key], seconds)
+        if cell.status != "pass":
+            return Cell(
+                "silent", f"✘ silently wrong: rank {result['rank']} {cell.text.split(': ', 1)[1]}", seconds
+            )
+    return None
+
+
+def _parallelize_mode(name: str) -> Mode:
+    def payload(references: References) -> dict[str, Any]:
+        references.losses()  # a reference that cannot train fails here, before the ranks run
+        if name == "ckpt":
+            return {"path": tempfile.mkdtemp(prefix="hf-sweep-ckpt-")}
+        return {"constraints": CONSTRAINTS[name]}
+
+    def judge(results: list[dict[str, Any]], references: References) -> Cell:
+        error = _first_error(results)
+        if error is not None:
+            return error
+        seconds = max(result["seconds"] for result in results)
+        reference = references.losses()
+        if name == "ckpt":
+            saved = judge_losses(
+                results[0]["saved_losses"], reference[:SAVE_AFTER], seconds, "loss before the save"
+            )
+            if saved.status != "pass":
+                return saved
+            resumed = reference[SAVE_AFTER : SAVE_AFTER + len(results[0]["losses"])]
+            return _ranks_disagree(results, "losses", seconds) or judge_losses(
+                results[0]["losses"], resumed, seconds, "loss after the load"
+            )
+        return _ranks_disagree(results, "losses", seconds) or judge_losses(
+            results[0]["losses"], reference[:STEPS], seconds
+        )
+
+    return Mode(name, PARALLELIZE_WORLD_SIZES[name], payload, judge)
+
+
+MODES: dict[str, Mode] = {name: _tp_mode(name, *setting) for name, setting in TP_MODES.items()}
+MODES.update({name: _parallelize_mode(name) for name in PARALLELIZE_WORLD_SIZES})

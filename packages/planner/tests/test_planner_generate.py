@@ -104,11 +104,12 @@ def test_constraints_always_win(llama):
         ),
         ({"tensor_parallel.size": 8}, 8, r"does not divide the attention head count\(s\) \[4\]"),
         (
-            {"tensor_parallel.size": 16, "devices_per_node": 16},
+            {"tensor_parallel.size": 16, "devices_per_node": 16, "memory_per_device_gb": 1.0},
             16,
             r"tensor_parallel.size=16 does not divide the attention head count\(s\) \[4, 8\] \(larger than",
         ),
         ({"memory_per_device_gb": 1e-6}, 2, "no plan fits memory_per_device_gb=0.00"),
+        ({}, 1024, "planning for 1024 devices, but this machine has .*hardware profile"),
         (
             {"global_batch_size": 3, "tensor_parallel.size": 1, "pipeline_parallel.size": 1},
             2,

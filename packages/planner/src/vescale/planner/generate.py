@@ -1,6 +1,11 @@
-"""``generate_plan``: the first planner, Megatron's rules on a meta-tensor memory estimate.
+"""``generate_plan``: the fastest predicted plan on a hardware profile, or Megatron's rules.
 
-For a world of ``W`` devices, ``devices_per_node`` per node and a memory budget per device:
+With a hardware profile (the ``hardware`` constraint or argument: a built-in name, ``"cpu"``
+measured now, or a JSON file) the plan is the fastest one the step-time model
+(:mod:`vescale.planner.cost`) predicts among those whose memory estimate fits with a margin
+(:mod:`vescale.planner.search`); the rule-based choice below is costed beside it in the reasons.
+Without one, the rules choose. For a world of ``W`` devices, ``devices_per_node`` per node and a
+memory budget per device:
 
 1. candidate model-parallel sizes ``(tp, pp)``: ``tp`` divides ``W``, stays inside a node
    (``tp <= devices_per_node``) and divides every attention head count; ``pp`` divides
@@ -13,8 +18,10 @@ For a world of ``W`` devices, ``devices_per_node`` per node and a memory budget 
    corresponding loop with its one value, and a combination that cannot hold raises
    ``ConstraintError`` saying why.
 
-The budget (``memory_per_device_gb``, in GiB) defaults to CUDA's total memory of device 0, or on
-CPU to the machine's RAM shared by the ranks of one node.
+The budget (``memory_per_device_gb``, in GiB) defaults to the profile's memory, else CUDA's total
+memory of device 0, or on CPU to the machine's RAM shared by the ranks of one node. Planning for
+more devices than this machine has (outside a process group) with neither a profile nor a budget
+is refused: this machine's memory says nothing about them.
 
 Example::
 
@@ -26,19 +33,19 @@ from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from vescale.dmodule.auto_plan import AutoShardingResult, plan_tensor_parallel
-from vescale.doptim.plan import DataParallelPlan
-from vescale.dpipe.plan import PipelinePlan
+from vescale.planner._assembly import assemble_plan
+from vescale.planner._cost_planning import plan_by_cost
 from vescale.planner._meta_forward import meta_parameters
-from vescale.planner._plan_reasons import explain_choices
+from vescale.planner._parallel_sizes import batches, parallel_sizes
 from vescale.planner.constraints import Constraints
-from vescale.planner.errors import ConstraintError
+from vescale.planner.errors import ConstraintError, PlanError
+from vescale.planner.hardware import HardwareProfile, load_hardware
 from vescale.planner.memory import MemoryEstimate, ParallelChoices, estimate_from_profile
 from vescale.planner.plan import Plan
 from vescale.planner.profile import profile_model
@@ -47,6 +54,7 @@ __all__ = ["default_memory_per_device_gb", "generate_plan"]
 
 _GIB = 2**30
 _DEFAULT_SEQUENCE_LENGTH = 2048
+_CPU_RANKS_PER_MACHINE = 8
 
 
 def default_memory_per_device_gb(devices_per_node: int) -> float:
@@ -62,10 +70,6 @@ def default_memory_per_device_gb(devices_per_node: int) -> float:
     return ram / devices_per_node / _GIB
 
 
-def _divisors(number: int) -> list[int]:
-    return [d for d in range(1, number + 1) if number % d == 0]
-
-
 def _default_sequence_length(model: nn.Module) -> tuple[int, str]:
     config = getattr(model, "config", None)
     longest = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
@@ -77,100 +81,59 @@ def _default_sequence_length(model: nn.Module) -> tuple[int, str]:
     )
 
 
-@dataclass(frozen=True)
-class _Candidate:
-    tp: int
-    pp: int
-    dp: int
-    activation_checkpointing: str
-    zero_stage: int
-
-
-def _candidates(
-    world_size: int, constraints: Constraints, per_node: int, head_counts: tuple[int, ...], blocks: int
-) -> list[tuple[int, int, int]]:
-    """``(tp, pp, dp)`` in the order they are tried; raises ``ConstraintError`` when none is possible."""
-    tp_given = constraints.tensor_parallel_size
-    if tp_given is not None:
-        bad = sorted({heads for heads in head_counts if heads % tp_given})
-        if bad:
-            raise ConstraintError(
-                f"tensor_parallel.size={tp_given} does not divide the attention head count(s) {bad} "
-                "(larger than a head count, or not a divisor); choose a size that divides "
-                f"{sorted(set(head_counts))}"
-            )
-    tps = [tp_given] if tp_given else [t for t in _divisors(world_size) if t <= per_node]
-    tps = [t for t in tps if all(heads % t == 0 for heads in head_counts)]
-    sizes = []
-    for tp in tps:
-        for pp in (
-            [constraints.pipeline_parallel_size]
-            if constraints.pipeline_parallel_size
-            else _divisors(world_size // tp)
-        ):
-            dp = world_size // (tp * pp)
-            if tp * pp * dp != world_size or (constraints.data_parallel_size not in (None, dp)):
-                continue
-            if pp > 1 and pp > blocks and constraints.pipeline_parallel_size is None:
-                continue
-            points = constraints.pipeline_parallel_split_points
-            if points and pp != len(points) + 1:
-                continue
-            sizes.append((tp, pp, dp))
-    if not sizes:
-        raise ConstraintError(
-            f"no (tensor, pipeline, data) parallel sizes multiply to the world size {world_size} with "
-            f"{constraints.to_dict()}, tensor parallelism within devices_per_node={per_node} and dividing "
-            f"the head counts {sorted(set(head_counts))}; relax a size constraint"
-        )
-    # Smallest model-parallel size first; on a tie, tensor parallelism inside the node before pipeline.
-    return sorted(sizes, key=lambda size: (size[0] * size[1], -size[0]))
-
-
-def _batches(constraints: Constraints, dp: int, pp: int) -> tuple[int, int] | None:
-    """``(global_batch_size, micro_batch_size)`` for ``dp`` ranks, or ``None`` when they cannot split."""
-    micro = constraints.micro_batch_size or 1
-    if constraints.pipeline_parallel_num_microbatches and constraints.global_batch_size:
-        share, rest = divmod(
-            constraints.global_batch_size, dp * constraints.pipeline_parallel_num_microbatches
-        )
-        if rest or (constraints.micro_batch_size not in (None, share)):
-            return None
-        micro = share
-    # Without a global batch: one micro-batch per pipeline stage, the fewest that fill the pipeline.
-    micro_batches = constraints.pipeline_parallel_num_microbatches or pp
-    global_batch = constraints.global_batch_size or dp * micro * micro_batches
-    if global_batch % (dp * micro):
-        return None
-    return global_batch, micro
-
-
 def generate_plan(
-    model: nn.Module, constraints: dict | Constraints | None = None, *, world_size: int | None = None
+    model: nn.Module,
+    constraints: dict | Constraints | None = None,
+    *,
+    world_size: int | None = None,
+    hardware: str | HardwareProfile | None = None,
+    method: str = "auto",
+    top_k: int = 5,
 ) -> Plan:
-    """Choose pp/dp/tp, SP, ZeRO, micro-batches and checkpointing so that ``model`` fits (module docstring).
+    """Choose pp/dp/tp, SP, ZeRO, micro-batches and checkpointing for ``model`` (module docstring).
 
     ``model`` may live on the meta device; nothing is allocated. ``world_size`` defaults to the
-    initialised process group's, else 1.
+    initialised process group's, else 1. With a hardware profile (``hardware``, or the
+    ``hardware`` constraint) the plan is the fastest predicted one that fits
+    (:mod:`vescale.planner.search`), with a ``performance`` section and ``top_k`` runners-up;
+    without one, Megatron's rules choose. ``method`` forces one: ``"cost"`` or ``"rules"``.
 
     Example::
 
         with torch.device("meta"): model = LlamaForCausalLM(config)
-        plan = generate_plan(model, {"devices_per_node": 8}, world_size=64)
+        plan = generate_plan(model, {"hardware": "h100-80gb"}, world_size=1024)
         print(plan); print(plan.explain())
     """
+    if method not in ("auto", "cost", "rules"):
+        raise PlanError(f"method={method!r} is not one of 'auto', 'cost', 'rules'")
     constraints = Constraints.from_dict(constraints)
+    process_group = dist.is_available() and dist.is_initialized()
     if world_size is None:
-        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world_size = dist.get_world_size() if process_group else 1
     constraints.check_world_size(world_size)
+    profile_name = hardware or constraints.hardware
+    if method == "cost" and profile_name is None:
+        raise PlanError(
+            "method='cost' needs a hardware profile: pass hardware='h100-80gb' (or 'cpu', a JSON file)"
+        )
+    hardware_profile = None
+    if profile_name is not None and method != "rules":
+        hardware_profile = load_hardware(profile_name, world_size=min(world_size, 8))
     reasons: dict[str, str] = {}
     per_node = constraints.devices_per_node
+    if per_node is None and hardware_profile is not None:
+        per_node = min(hardware_profile.devices_per_node, world_size)
     if per_node is None:
         # Without a constraint: the GPUs this machine has, or on CPU every rank on this one machine.
         cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
         per_node = min(cuda_devices or world_size, world_size)
     budget = constraints.memory_per_device_gb
+    if budget is None and hardware_profile is None and not process_group:
+        _check_this_machine_has(world_size)
     reasons["memory_per_device_gb"] = "constraint" if budget else "the device's memory"
+    if budget is None and hardware_profile is not None:
+        budget = hardware_profile.memory_gb
+        reasons["memory_per_device_gb"] = f"the {hardware_profile.name} profile's memory"
     budget = budget or default_memory_per_device_gb(per_node)
     sequence_length, reasons["sequence_length"] = (
         (constraints.sequence_length, "constraint")
@@ -180,7 +143,57 @@ def generate_plan(
     auto = _tensor_parallel_analysis(model, world_size, constraints)
     # Activations are measured per micro-batch size; most plans need only the first profile.
     profiles = {1: profile_model(model, sequence_length, 1)}
-    sizes = _candidates(
+    if hardware_profile is None:
+        choices, estimate = _rule_based_choice(
+            model, constraints, world_size, per_node, budget, sequence_length, auto, profiles
+        )
+        return assemble_plan(model, auto, constraints, choices, estimate, budget, reasons, per_node)
+    try:
+        rule_choice = _rule_based_choice(
+            model, constraints, world_size, per_node, budget, sequence_length, auto, profiles
+        )[0]
+    except ConstraintError:
+        rule_choice = None
+    return plan_by_cost(
+        model,
+        profiles[1],
+        constraints,
+        world_size=world_size,
+        hardware=hardware_profile,
+        per_node=per_node,
+        budget_gib=budget,
+        auto=auto,
+        reasons=reasons,
+        top_k=top_k,
+        rule_choice=rule_choice,
+    )
+
+
+def _check_this_machine_has(world_size: int) -> None:
+    """Refuse to plan for more devices than this machine has without saying what they are."""
+    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # CPU ranks are processes: up to 8 of them share one machine in veScale's tests and benches.
+    local = cuda_devices or max(os.cpu_count() or 1, _CPU_RANKS_PER_MACHINE)
+    if world_size > local:
+        raise ConstraintError(
+            f"planning for {world_size} devices, but this machine has {local}: say what the devices are, "
+            "with a hardware profile (constraint hardware='h100-80gb', a JSON file, or vescale plan "
+            "--hardware) or the memory_per_device_gb constraint"
+        )
+
+
+def _rule_based_choice(
+    model: nn.Module,
+    constraints: Constraints,
+    world_size: int,
+    per_node: int,
+    budget: float,
+    sequence_length: int,
+    auto: AutoShardingResult | None,
+    profiles: dict,
+) -> tuple[ParallelChoices, MemoryEstimate]:
+    """Megatron's rules: the first candidate in the rule order whose estimate fits the budget."""
+    sizes = parallel_sizes(
         world_size, constraints, per_node, auto.head_counts if auto else (), profiles[1].num_blocks
     )
     mixed_precision = constraints.mixed_precision or "fp32"
@@ -192,15 +205,15 @@ def generate_plan(
     zero_stages = [constraints.zero_stage] if constraints.zero_stage is not None else [0, 1, 2, 3]
     smallest = None
     for (tp, pp, dp), recompute, zero in itertools.product(sizes, checkpointing, zero_stages):
-        batches = _batches(constraints, dp, pp)
-        if batches is None or (zero > 0 and dp == 1 and constraints.zero_stage is None):
+        split = batches(constraints, dp, pp)
+        if split is None or (zero > 0 and dp == 1 and constraints.zero_stage is None):
             continue
         if constraints.sequence_parallel and tp == 1:
             continue
         sequence_parallel = (
             constraints.sequence_parallel if constraints.sequence_parallel is not None else tp > 1
         )
-        global_batch, micro = batches
+        global_batch, micro = split
         num_microbatches = global_batch // (dp * micro)
         schedule = constraints.pipeline_parallel_schedule or ("1f1b" if num_microbatches >= pp else "gpipe")
         choices = ParallelChoices(
@@ -223,7 +236,7 @@ def generate_plan(
         if smallest is None or estimate.total < smallest[1].total:
             smallest = (choices, estimate)
         if estimate.total <= budget * _GIB:
-            return _assemble(model, auto, constraints, choices, estimate, budget, reasons, per_node)
+            return choices, estimate
     if smallest is None:
         raise ConstraintError(
             f"global_batch_size={constraints.global_batch_size} with micro_batch_size="
@@ -248,55 +261,3 @@ def _tensor_parallel_analysis(
     # On meta parameters: dmodule's trace answers data-dependent ops (MoE routing) on meta only.
     with meta_parameters(model):
         return plan_tensor_parallel(model)
-
-
-def _assemble(
-    model: nn.Module,
-    auto: AutoShardingResult | None,
-    constraints: Constraints,
-    choices: ParallelChoices,
-    estimate: MemoryEstimate,
-    budget: float,
-    reasons: dict[str, str],
-    per_node: int,
-) -> Plan:
-    tp, pp = choices.tensor_parallel_size, choices.pipeline_parallel_size
-    sharding_plan = None
-    if tp > 1:
-        # The analysis ran without sequence parallelism; with it the forward placements differ.
-        sp = choices.sequence_parallel
-        if sp:
-            with meta_parameters(model):
-                sharding_plan = plan_tensor_parallel(model, sequence_parallel=True).plan
-        else:
-            sharding_plan = auto.plan
-    pipeline = None
-    if pp > 1:
-        pipeline = PipelinePlan(
-            size=pp,
-            split_method=constraints.pipeline_parallel_split_method
-            or ("manual" if constraints.pipeline_parallel_split_points else "uniform"),
-            split_points=constraints.pipeline_parallel_split_points or (),
-            schedule=choices.schedule,
-            num_microbatches=choices.num_microbatches,
-        )
-    reasons.update(explain_choices(constraints, choices, estimate, budget, per_node))
-    return Plan(
-        mesh={"pp": pp, "dp": choices.data_parallel_size, "tp": tp},
-        data_parallel=DataParallelPlan(
-            size=choices.data_parallel_size,
-            zero_stage=choices.zero_stage,
-            mixed_precision=choices.mixed_precision,
-            deterministic=bool(constraints.data_parallel_deterministic),
-        ),
-        global_batch_size=choices.num_microbatches * choices.data_parallel_size * choices.micro_batch_size,
-        micro_batch_size=choices.micro_batch_size,
-        sequence_length=choices.sequence_length,
-        sharding_plan=sharding_plan,
-        sequence_parallel=choices.sequence_parallel,
-        pipeline=pipeline,
-        activation_checkpointing=choices.activation_checkpointing,
-        memory_per_device_gb=float(budget),
-        memory_estimate=estimate,
-        reasons=tuple(reasons.items()),
-    )

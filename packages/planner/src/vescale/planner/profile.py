@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
 from vescale.planner._meta_forward import MetaValuePolicy
 from vescale.planner.errors import PlanError
+from vescale.planner.op_costs import OpCost, OpCostRecorder, attention_cost
 from vescale.planner.selective import KEPT_COMPUTE_OPS
 
 __all__ = ["ModelProfile", "find_repeated_blocks", "profile_model"]
@@ -73,6 +74,7 @@ class ModelProfile:
     block_input_bytes: int
     module_parameters: dict[str, tuple[str, ...]]
     selective_kept: tuple[_SavedRecord, ...] = ()
+    op_costs: tuple[OpCost, ...] = ()
 
 
 def find_repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
@@ -113,9 +115,11 @@ class _FusedAttentionSaves(TorchFunctionMode):
         save: Callable[[torch.Tensor], None],
         record_extra: Callable[[int], None],
         keep: Callable[[torch.Tensor], None],
+        cost: Callable[..., None] = lambda *args: None,
     ) -> None:
         super().__init__()
         self.save, self.record_extra, self.keep, self.inside = save, record_extra, keep, False
+        self.cost = cost
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -129,6 +133,10 @@ class _FusedAttentionSaves(TorchFunctionMode):
         if output.dim() == 4:
             output = output.transpose(1, 2).contiguous().transpose(1, 2)
         inputs = [*args[:3], *(kwargs[name] for name in ("query", "key", "value") if name in kwargs)]
+        causal = bool(kwargs.get("is_causal")) or kwargs.get("attn_mask") is not None or len(args) > 3
+        flops, dims = attention_cost(inputs[0], inputs[1], causal)
+        traffic = sum(t.numel() * t.element_size() for t in [*inputs, output])
+        self.cost("attention", flops, dims, float(traffic), 0.0)
         for tensor in [*inputs, output]:
             self.save(tensor)
         batch_heads_rows = output.numel() // output.shape[-1]
@@ -186,6 +194,7 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
     block_inputs: list[int] = []
     saved: dict[int, tuple[Any, _SavedRecord]] = {}
     kept: dict[int, tuple[Any, _SavedRecord]] = {}
+    costs: list[OpCost] = []
 
     def block_index(fqn: str) -> int | None:
         head = ".".join(fqn.split(".")[: len(blocks_fqn.split(".")) + 1]) if blocks_fqn else ""
@@ -216,7 +225,14 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
         for into in (saved, kept):
             record(key, nbytes, True, into)
 
-    attention = _FusedAttentionSaves(save, keep_log_sum_exp, keep)
+    def cost(kind: str, flops: float, dims: tuple, traffic: float, output_bytes: float) -> None:
+        module_fqn = stack[-1] if stack else ""
+        block = block_index(module_fqn)
+        side = "last" if block is None and seen_block[1] else "first"
+        costs.append(OpCost(kind, module_fqn, block, side, flops, dims, traffic, output_bytes))
+
+    attention = _FusedAttentionSaves(save, keep_log_sum_exp, keep, cost)
+    recorder = OpCostRecorder(cost, lambda: attention.inside)
 
     def enter(fqn: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -243,7 +259,7 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
     try:
         saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
         values = MetaValuePolicy()
-        with saving, attention, GroupedMatmulShapes(), values, _KeptOutputs(keep, attention):
+        with saving, attention, GroupedMatmulShapes(), values, _KeptOutputs(keep, attention), recorder:
             outputs = functional_call(model, meta, args, kwargs)
         if values.guessed_shapes:
             _LOGGER.warning(
@@ -284,4 +300,5 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
         block_input_bytes=max(block_inputs, default=0),
         module_parameters={fqn: names for fqn, names in owned.items() if names},
         selective_kept=tuple(record for _, record in kept.values()),
+        op_costs=tuple(costs),
     )

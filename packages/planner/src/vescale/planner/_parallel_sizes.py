@@ -1,0 +1,79 @@
+"""The parallel sizes a world can be split into, and the batches each split can run.
+
+Shared by the rule-based planner and the cost-model search (:mod:`vescale.planner.search`).
+
+Example::
+
+    sizes = parallel_sizes(64, Constraints(), per_node=8, head_counts=(32, 8), blocks=32)
+"""
+
+from __future__ import annotations
+
+from vescale.planner.constraints import Constraints
+from vescale.planner.errors import ConstraintError
+
+__all__ = ["batches", "divisors", "parallel_sizes"]
+
+
+def divisors(number: int) -> list[int]:
+    """The divisors of ``number``, ascending."""
+    return [d for d in range(1, number + 1) if number % d == 0]
+
+
+def parallel_sizes(
+    world_size: int, constraints: Constraints, per_node: int, head_counts: tuple[int, ...], blocks: int
+) -> list[tuple[int, int, int]]:
+    """``(tp, pp, dp)`` in the order they are tried; raises ``ConstraintError`` when none is possible."""
+    tp_given = constraints.tensor_parallel_size
+    if tp_given is not None:
+        bad = sorted({heads for heads in head_counts if heads % tp_given})
+        if bad:
+            raise ConstraintError(
+                f"tensor_parallel.size={tp_given} does not divide the attention head count(s) {bad} "
+                "(larger than a head count, or not a divisor); choose a size that divides "
+                f"{sorted(set(head_counts))}"
+            )
+    tps = [tp_given] if tp_given else [t for t in divisors(world_size) if t <= per_node]
+    tps = [t for t in tps if all(heads % t == 0 for heads in head_counts)]
+    sizes = []
+    for tp in tps:
+        for pp in (
+            [constraints.pipeline_parallel_size]
+            if constraints.pipeline_parallel_size
+            else divisors(world_size // tp)
+        ):
+            dp = world_size // (tp * pp)
+            if tp * pp * dp != world_size or (constraints.data_parallel_size not in (None, dp)):
+                continue
+            if pp > 1 and pp > blocks and constraints.pipeline_parallel_size is None:
+                continue
+            points = constraints.pipeline_parallel_split_points
+            if points and pp != len(points) + 1:
+                continue
+            sizes.append((tp, pp, dp))
+    if not sizes:
+        raise ConstraintError(
+            f"no (tensor, pipeline, data) parallel sizes multiply to the world size {world_size} with "
+            f"{constraints.to_dict()}, tensor parallelism within devices_per_node={per_node} and dividing "
+            f"the head counts {sorted(set(head_counts))}; relax a size constraint"
+        )
+    # Smallest model-parallel size first; on a tie, tensor parallelism inside the node before pipeline.
+    return sorted(sizes, key=lambda size: (size[0] * size[1], -size[0]))
+
+
+def batches(constraints: Constraints, dp: int, pp: int) -> tuple[int, int] | None:
+    """``(global_batch_size, micro_batch_size)`` for ``dp`` ranks, or ``None`` when they cannot split."""
+    micro = constraints.micro_batch_size or 1
+    if constraints.pipeline_parallel_num_microbatches and constraints.global_batch_size:
+        share, rest = divmod(
+            constraints.global_batch_size, dp * constraints.pipeline_parallel_num_microbatches
+        )
+        if rest or (constraints.micro_batch_size not in (None, share)):
+            return None
+        micro = share
+    # Without a global batch: one micro-batch per pipeline stage, the fewest that fill the pipeline.
+    micro_batches = constraints.pipeline_parallel_num_microbatches or pp
+    global_batch = constraints.global_batch_size or dp * micro * micro_batches
+    if global_batch % (dp * micro):
+        return None
+    return global_batch, micro

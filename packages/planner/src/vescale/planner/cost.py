@@ -1,0 +1,341 @@
+"""The step-time model: seconds per optimizer step of a plan on a hardware profile, by part.
+
+From the per-op records of the meta-tensor forward (:mod:`vescale.planner.op_costs`):
+
+* **compute**: each matmul ``max(flops / (peak * e(d)), bytes / bandwidth) + overhead`` with the
+  efficiency curve ``e(d) = matmul_efficiency * d / (d + matmul_half_dim)`` on its smallest
+  dimension ``d`` after tensor parallelism (column-parallel divides ``n``, row-parallel ``k``);
+  fused attention likewise on its head dimension (heads divided by ``tp``); every other op
+  ``bytes / (memory bandwidth * memory_efficiency)``; each op at least ``op_overhead_us``.
+  Backward costs 2x the forward (attention 2.5x), in ``mixed_precision``'s dtype;
+* **recompute**: ``"full"`` runs each block's forward again, ``"selective"`` its non-matmul ops;
+* **tensor_parallel**: each row-parallel output all-reduced in forward and backward (under
+  sequence parallelism a reduce-scatter and an all-gather: the same ring volume);
+* **pipeline_bubble**: ``(p - 1) / v`` micro-batch slots of the slowest stage for GPipe and
+  1F1B (``v = 1``) and interleaved 1F1B (``v`` virtual stages), a third of 1F1B's for zero-bubble;
+  **pipeline_p2p**: two activation sends per micro-batch;
+* **data_parallel**: what the runtime does not hide: the gradient all-reduce (ZeRO-0/1) or
+  reduce-scatter (ZeRO-2) beyond the last micro-batch's backward it overlaps with, plus
+  ZeRO-1/2's parameter all-gather after the step; ZeRO-3's per-block all-gathers and
+  reduce-scatters (every micro-batch) beyond the block compute they are prefetched under;
+* **optimizer**: AdamW reads and writes ~28 bytes per local fp32 element (32 with bf16
+  masters), memory-bound.
+
+Collectives are alpha-beta rings on the links their axis spans (:mod:`._collectives`). Model
+FLOPs (for MFU) are 3x the forward's matmul and full attention FLOPs: no recomputation.
+
+Example::
+
+    cost = predict_step(profile, choices, load_hardware("h100-80gb"))
+    print(cost.step_time_s, cost.breakdown)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from vescale.planner._collectives import all_gather_seconds, all_reduce_seconds, axis_link, p2p_seconds
+from vescale.planner.hardware import HardwareProfile
+from vescale.planner.memory import ParallelChoices, _column_input, _tp_sharded
+from vescale.planner.op_costs import OpCost
+from vescale.planner.profile import ModelProfile
+
+__all__ = ["StepCost", "balanced_split", "model_flops_per_step", "op_parts", "predict_step"]
+
+_BACKWARD = {"matmul": 2.0, "attention": 2.5, "memory": 2.0}
+_ADAMW_BYTES = {"fp32": 28.0, "bf16": 32.0}
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Predicted seconds of one optimizer step, by part (they add up to ``step_time_s``)."""
+
+    step_time_s: float
+    breakdown: tuple[tuple[str, float], ...]
+    model_flops: float
+
+
+@dataclass
+class _Part:
+    forward: float = 0.0  # compute seconds of one micro-batch's forward
+    backward: float = 0.0
+    memory_forward: float = 0.0  # of which memory-bound ops (what selective recomputes)
+    tp_forward: float = 0.0  # tensor-parallel communication, forward
+    parameter_elements: float = 0.0  # local elements after tensor parallelism
+
+
+def _op_seconds(
+    op: OpCost,
+    choices: ParallelChoices,
+    hardware: HardwareProfile,
+    scale: float,
+    profile: ModelProfile,
+    block_fqns: frozenset[str],
+) -> tuple[float, float]:
+    """``(forward seconds, tp all-reduce bytes)`` of one op on one tensor-parallel rank."""
+    tp, plan = choices.tensor_parallel_size, choices.sharding_plan
+    bytes_scale = 0.5 if choices.mixed_precision == "bf16" else 1.0
+    traffic = op.traffic_bytes * scale * bytes_scale
+    bandwidth = hardware.memory_bandwidth * hardware.memory_efficiency
+    overhead = hardware.op_overhead_us * 1e-6
+    sharded = column = False
+    if tp > 1 and plan is not None and op.module_fqn:
+        owned = profile.module_parameters.get(op.module_fqn, ())
+        sharded = any(_tp_sharded(plan, fqn) for fqn in owned)
+        column = sharded and _column_input(plan, op.module_fqn)
+    if op.kind == "memory":
+        divisor = 1
+        if tp > 1 and op.block is not None:
+            # The block's own ops (residual adds) and norms run on whole activations unless SP shards them.
+            whole = op.module_fqn in block_fqns or (
+                op.module_fqn in profile.module_parameters and not sharded
+            )
+            divisor = tp if (not whole or choices.sequence_parallel) else 1
+        return max(traffic / divisor / bandwidth, overhead), 0.0
+    peak = hardware.peak_flops(choices.mixed_precision)
+    m, n, k = op.dims
+    flops = op.flops * scale
+    reduce_bytes = 0.0
+    if op.kind == "attention":
+        divisor = tp if tp > 1 and op.block is not None else 1
+        smallest = k
+    else:
+        divisor = tp if sharded else 1
+        m = m * scale
+        if sharded and column:
+            n = n / tp
+        elif sharded:
+            k = k / tp
+            reduce_bytes = op.output_bytes * scale * bytes_scale
+        smallest = min(m, n, k)
+    efficiency = hardware.matmul_efficiency * smallest / (smallest + hardware.matmul_half_dim)
+    seconds = max(flops / divisor / (peak * efficiency), traffic / divisor / bandwidth)
+    return max(seconds + hardware.matmul_overhead_us * 1e-6, overhead), reduce_bytes
+
+
+def op_parts(profile: ModelProfile, choices: ParallelChoices, hardware: HardwareProfile) -> dict:
+    """Block index (or ``"first"``/``"last"`` for the outside sides) -> its per-micro-batch times.
+
+    Depends only on ``tp``, sequence parallelism, mixed precision, the sharding plan and the
+    micro-batch size of ``choices``: a search computes it once per such key and passes it to
+    :func:`predict_step` and :func:`balanced_split`.
+    """
+    scale = choices.micro_batch_size / profile.micro_batch_size
+    shortest: dict[int, str] = {}
+    for op in profile.op_costs:
+        if op.block is not None and len(op.module_fqn) < len(shortest.get(op.block, op.module_fqn + "_")):
+            shortest[op.block] = op.module_fqn
+    block_fqns = frozenset(shortest.values())
+    tp_link = axis_link(hardware, choices.tensor_parallel_size, 1)
+    parts: dict = {}
+    for op in profile.op_costs:
+        key = op.block if op.block is not None else op.side
+        part = parts.setdefault(key, _Part())
+        seconds, reduce_bytes = _op_seconds(op, choices, hardware, scale, profile, block_fqns)
+        part.forward += seconds
+        part.backward += _BACKWARD[op.kind] * seconds
+        part.memory_forward += seconds if op.kind == "memory" else 0.0
+        part.tp_forward += all_reduce_seconds(tp_link, reduce_bytes)
+    tp = choices.tensor_parallel_size
+    for record in profile.parameters:
+        key = record.block if record.block is not None else record.side
+        local = record.numel / (tp if tp > 1 and _tp_sharded(choices.sharding_plan, record.fqn) else 1)
+        parts.setdefault(key, _Part()).parameter_elements += local
+    return parts
+
+
+def model_flops_per_step(profile: ModelProfile, global_batch_size: int) -> float:
+    """Forward + backward FLOPs of the model for one step (3x forward; attention counted full).
+
+    Example::
+
+        model_flops_per_step(profile, 1024) / (1024 * profile.sequence_length)   # ~ 6 N + attention
+    """
+    forward = sum(
+        op.flops * (2.0 if op.kind == "attention" else 1.0) for op in profile.op_costs if op.kind != "memory"
+    )
+    return 3.0 * forward * global_batch_size / profile.micro_batch_size
+
+
+def balanced_split(
+    profile: ModelProfile, choices: ParallelChoices, hardware: HardwareProfile, parts: dict | None = None
+) -> tuple[int, ...]:
+    """The first block of each pipeline stage after the first, minimising the slowest stage's
+    forward + backward time over contiguous block ranges (the embedding side counts on the first
+    stage, the head side on the last): the optimum's bottleneck is bisected, each limit checked
+    by a greedy packing, which is exact for contiguous partitions.
+
+    Example::
+
+        balanced_split(profile, ParallelChoices(pipeline_parallel_size=4), h100)   # (9, 17, 25)
+    """
+    pp, blocks = choices.pipeline_parallel_size, profile.num_blocks
+    if pp == 1 or blocks < pp:
+        return ()
+    parts = parts if parts is not None else op_parts(profile, choices, hardware)
+    times = [parts[b].forward + parts[b].backward if b in parts else 0.0 for b in range(blocks)]
+    first = parts.get("first", _Part())
+    last = parts.get("last", _Part())
+    prefix = [0.0]
+    for seconds in times:
+        prefix.append(prefix[-1] + seconds)
+
+    def stage(start: int, stop: int) -> float:
+        extra = (first.forward + first.backward if start == 0 else 0.0) + (
+            last.forward + last.backward if stop == blocks else 0.0
+        )
+        return prefix[stop] - prefix[start] + extra
+
+    def pack(limit: float) -> list[int] | None:
+        """Greedy cuts whose stages all take at most ``limit``, each stage at least one block."""
+        starts, begin = [], 0
+        for index in range(pp):
+            stop = begin + 1
+            if index == pp - 1:
+                stop = blocks
+            while stop < blocks - (pp - index - 1) and stage(begin, stop + 1) <= limit:
+                stop += 1
+            if stage(begin, stop) > limit:
+                return None
+            starts.append(begin)
+            begin = stop
+        return starts
+
+    # Bisect the slowest stage's time: the smallest limit the greedy packing meets.
+    low, high = 0.0, stage(0, blocks)
+    best = pack(high) or [round(i * blocks / pp) for i in range(pp)]
+    for _ in range(60):
+        middle = (low + high) / 2
+        packed = pack(middle)
+        if packed is None:
+            low = middle
+        else:
+            high, best = middle, packed
+    return tuple(best[1:])
+
+
+def _stage_blocks(num_blocks: int, pp: int, split: tuple[int, ...] | None) -> list[range]:
+    if split:
+        bounds = [0, *split, num_blocks]
+        return [range(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+    per_stage = math.ceil(num_blocks / pp) if num_blocks else 0
+    return [range(min(s * per_stage, num_blocks), min((s + 1) * per_stage, num_blocks)) for s in range(pp)]
+
+
+def predict_step(
+    profile: ModelProfile,
+    choices: ParallelChoices,
+    hardware: HardwareProfile,
+    *,
+    virtual_stages: int = 1,
+    devices_per_node: int | None = None,
+    stage_split: tuple[int, ...] | None = None,
+    parts: dict | None = None,
+) -> StepCost:
+    """The step time of ``choices`` (module docstring); ``stage_split`` gives the first block of each
+    pipeline stage after the first (default: ``ceil(blocks / pp)`` per stage).
+
+    Example::
+
+        predict_step(profile, ParallelChoices(data_parallel_size=8, zero_stage=3,
+                     mixed_precision="bf16", sequence_length=8192), load_hardware("h100-80gb"))
+    """
+    tp, pp, dp = choices.tensor_parallel_size, choices.pipeline_parallel_size, choices.data_parallel_size
+    per_node = devices_per_node or hardware.devices_per_node
+    parts = parts if parts is not None else op_parts(profile, choices, hardware)
+    recompute = choices.activation_checkpointing
+    microbatches = choices.num_microbatches
+    dp_link = axis_link(hardware, dp, tp, per_node)
+    pp_link = axis_link(hardware, pp, tp * dp, per_node)
+    grad_bytes = 2.0 if choices.mixed_precision == "bf16" else 4.0
+    worst: tuple[float, dict[str, float]] | None = None
+    for index, blocks in enumerate(_stage_blocks(profile.num_blocks, pp, stage_split)):
+        members = [parts[b] for b in blocks if b in parts]
+        if index == 0:
+            members.append(parts.get("first", _Part()))
+        if index == pp - 1:
+            members.append(parts.get("last", _Part()))
+        compute = sum(p.forward + p.backward for p in members)
+        block_members = [parts[b] for b in blocks if b in parts]
+        rerun = {"full": sum(p.forward for p in block_members), "selective": 0.0, "none": 0.0}[recompute]
+        if recompute == "selective":
+            rerun = sum(p.memory_forward for p in block_members)
+        tensor_parallel = sum(p.tp_forward for p in members) * (3.0 if recompute == "full" else 2.0)
+        slot = compute + rerun + tensor_parallel
+        elements = sum(p.parameter_elements for p in members)
+        data_parallel = _data_parallel_seconds(
+            choices, dp_link, elements, grad_bytes, block_members, members, microbatches
+        )
+        local = elements / (dp if choices.zero_stage >= 1 else 1)
+        optimizer = (
+            local
+            * _ADAMW_BYTES[choices.mixed_precision]
+            / (hardware.memory_bandwidth * hardware.memory_efficiency)
+        )
+        parts_of_stage = {
+            "compute": microbatches * compute,
+            "recompute": microbatches * rerun,
+            "tensor_parallel": microbatches * tensor_parallel,
+            "pipeline_bubble": _bubble_slots(choices.schedule, pp, virtual_stages) * slot,
+            "pipeline_p2p": 0.0,
+            "data_parallel": data_parallel,
+            "optimizer": optimizer,
+        }
+        if pp > 1:
+            activation = profile.block_input_bytes * choices.micro_batch_size / profile.micro_batch_size
+            activation *= (0.5 if choices.mixed_precision == "bf16" else 1.0) / (
+                tp if choices.sequence_parallel else 1
+            )
+            parts_of_stage["pipeline_p2p"] = (
+                2 * microbatches * virtual_stages * p2p_seconds(pp_link, activation)
+            )
+        total = sum(parts_of_stage.values())
+        if worst is None or total > worst[0]:
+            worst = (total, parts_of_stage)
+    total, breakdown = worst
+    global_batch = microbatches * dp * choices.micro_batch_size
+    return StepCost(total, tuple(breakdown.items()), model_flops_per_step(profile, global_batch))
+
+
+def _bubble_slots(schedule: str, pp: int, virtual_stages: int) -> float:
+    if pp == 1:
+        return 0.0
+    if schedule == "zero_bubble":
+        return (pp - 1) / 3.0
+    if schedule == "interleaved_1f1b":
+        return (pp - 1) / virtual_stages
+    return float(pp - 1)
+
+
+def _data_parallel_seconds(
+    choices: ParallelChoices,
+    link,
+    elements: float,
+    grad_bytes: float,
+    block_members: list[_Part],
+    members: list[_Part],
+    microbatches: int,
+) -> float:
+    """Exposed data-parallel communication of one stage per step (module docstring)."""
+    if link.size == 1:
+        return 0.0
+    zero = choices.zero_stage
+    parameter_bytes = elements * grad_bytes
+    last_backward = sum(p.backward for p in members)
+    if zero < 3:
+        gradients = (all_reduce_seconds if zero < 2 else all_gather_seconds)(link, parameter_bytes)
+        bucket_share = min(1.0, 25 * 2**20 / max(parameter_bytes, 1.0))
+        exposed = max(gradients - last_backward, gradients * bucket_share)
+        if zero >= 1:
+            exposed += all_gather_seconds(link, parameter_bytes)
+        return exposed
+    exposed = 0.0
+    for part in block_members:
+        gather = all_gather_seconds(link, part.parameter_elements * grad_bytes)
+        exposed += max(0.0, gather - part.forward) + max(0.0, 2 * gather - part.backward)
+    outside = sum(p.parameter_elements for p in members) - sum(p.parameter_elements for p in block_members)
+    first_gather = all_gather_seconds(
+        link, (outside + max((p.parameter_elements for p in block_members), default=0.0)) * grad_bytes
+    )
+    return microbatches * (exposed + 2 * first_gather)

@@ -1,0 +1,254 @@
+"""The cost-model search: the fastest predicted plan whose predicted memory fits, with a margin.
+
+Over ``(tp, pp, dp)`` (:func:`~vescale.planner._parallel_sizes.parallel_sizes`), mixed
+precision, ZeRO stage, activation checkpointing, micro-batch size (the divisors of a dp rank's
+share of ``global_batch_size``, when one is given), and for ``pp > 1`` the schedule (GPipe,
+1F1B, interleaved 1F1B with 2 or 4 virtual stages, zero-bubble) — each constraint replaces its
+axis by its one value; sequence parallelism is on with ``tp > 1`` unless constrained (it moves
+the same ring volume and divides the norms). Memory first: a candidate is costed only when its
+estimate (:mod:`vescale.planner.memory`, activations scaled linearly from one profiled
+micro-batch) is at most ``(1 - margin)`` of the budget. Pipeline stage boundaries come from a
+dynamic program that minimises the slowest stage's time. Ties are broken by memory, then
+by the candidate's fields, so the answer is the same on every run. Expert parallelism stays 1
+(an ``ep`` axis would be one more loop over :class:`Candidate`).
+
+Example::
+
+    ranked = search_plans(profile, constraints, world_size=64, hardware=load_hardware("h100-80gb"),
+                          per_node=8, budget_gib=80, sharding_plans=plans, head_counts=(32, 8))
+    best = ranked[0]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from vescale.dmodule.sharding_plan import ShardingPlan
+from vescale.planner._parallel_sizes import divisors, parallel_sizes
+from vescale.planner._profile_scaling import scaled_profile
+from vescale.planner.constraints import Constraints
+from vescale.planner.cost import StepCost, balanced_split, op_parts, predict_step
+from vescale.planner.errors import ConstraintError
+from vescale.planner.hardware import HardwareProfile
+from vescale.planner.memory import MemoryEstimate, ParallelChoices, stage_sizes
+from vescale.planner.peak import peak_moments
+from vescale.planner.profile import ModelProfile
+
+__all__ = ["MEMORY_MARGIN", "Candidate", "search_plans"]
+
+MEMORY_MARGIN = 0.05
+"""The share of the memory budget a chosen plan leaves free (allocator caching, fragmentation)."""
+_GIB = 2**30
+_MAX_MICRO_BATCH = 16
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One costed plan: its choices, virtual stages, stage split, memory and predicted step."""
+
+    choices: ParallelChoices
+    virtual_stages: int
+    stage_split: tuple[int, ...]
+    memory: MemoryEstimate
+    cost: StepCost
+
+    def describe(self) -> str:
+        """A one-line summary, e.g. ``"pp1 dp8 tp1 zero3 bf16 mbs2 ac=selective"``."""
+        c = self.choices
+        text = (
+            f"pp{c.pipeline_parallel_size} dp{c.data_parallel_size} tp{c.tensor_parallel_size}"
+            f"{' sp' if c.sequence_parallel else ''} zero{c.zero_stage} {c.mixed_precision} "
+            f"mbs{c.micro_batch_size} ac={c.activation_checkpointing}"
+        )
+        if c.pipeline_parallel_size > 1:
+            text += f" {c.schedule}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        return text
+
+
+def _axis(value, default: list) -> list:
+    return [value] if value is not None else default
+
+
+def _micro_batches(constraints: Constraints, dp: int, pp: int) -> list[tuple[int, int]]:
+    """``(micro_batch_size, num_microbatches)`` pairs a dp rank can run."""
+    if constraints.global_batch_size is None:
+        micro = constraints.micro_batch_size or 1
+        return [(micro, constraints.pipeline_parallel_num_microbatches or pp)]
+    share, rest = divmod(constraints.global_batch_size, dp)
+    if rest:
+        return []
+    pairs = []
+    for micro in _axis(constraints.micro_batch_size, [d for d in divisors(share) if d <= _MAX_MICRO_BATCH]):
+        count = share // micro
+        if share % micro or count < 1:
+            continue
+        if constraints.pipeline_parallel_num_microbatches not in (None, count):
+            continue
+        pairs.append((micro, count))
+    return pairs
+
+
+def _schedules(constraints: Constraints, pp: int, microbatches: int, blocks: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    names = _axis(
+        constraints.pipeline_parallel_schedule, ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+    )
+    options = []
+    for name in names:
+        if name == "interleaved_1f1b":
+            options += [(name, v) for v in (2, 4) if blocks % (pp * v) == 0 and microbatches % pp == 0]
+        elif name == "1f1b" and microbatches < pp and constraints.pipeline_parallel_schedule is None:
+            continue
+        else:
+            options.append((name, 1))
+    return options
+
+
+class _MemoryCache:
+    """Stage sizes per memory-relevant key, with ZeRO's division of the optimizer state applied after."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[tuple, list] = {}
+
+    def estimate(self, profile: ModelProfile, choices: ParallelChoices) -> MemoryEstimate:
+        key = (
+            id(profile),
+            choices.tensor_parallel_size,
+            choices.pipeline_parallel_size,
+            choices.sequence_parallel,
+            choices.mixed_precision,
+            choices.activation_checkpointing,
+            choices.schedule == "gpipe",
+            choices.num_microbatches if choices.pipeline_parallel_size > 1 else 1,
+        )
+        if key not in self.sizes:
+            base = dataclasses.replace(choices, data_parallel_size=1, zero_stage=0)
+            self.sizes[key] = stage_sizes(profile, base)
+        dp, zero = choices.data_parallel_size, choices.zero_stage
+        best = None
+        for sizes in self.sizes[key]:
+            if zero >= 1:
+                sizes = dataclasses.replace(sizes, optimizer_states=sizes.optimizer_states / dp)
+            moments = peak_moments(sizes, dp, zero, num_microbatches=choices.num_microbatches)
+            estimate = MemoryEstimate(*(int(part) for part in max(moments.values(), key=sum)))
+            if best is None or estimate.total > best.total:
+                best = estimate
+        return best
+
+
+def search_plans(
+    profile: ModelProfile,
+    constraints: Constraints,
+    *,
+    world_size: int,
+    hardware: HardwareProfile,
+    per_node: int,
+    budget_gib: float,
+    sharding_plans: dict[bool, ShardingPlan | None],
+    head_counts: tuple[int, ...],
+    sequence_length: int,
+    margin: float = MEMORY_MARGIN,
+) -> list[Candidate]:
+    """Every fitting candidate, fastest first (module docstring); ``sharding_plans[sp]`` is the
+    tensor-parallel plan with or without sequence parallelism. Raises ``ConstraintError`` when
+    nothing fits.
+
+    Example::
+
+        best = search_plans(profile, Constraints(), world_size=8, hardware=h100, per_node=8,
+                            budget_gib=80, sharding_plans={False: p, True: p_sp},
+                            head_counts=(32,), sequence_length=8192)[0]
+    """
+    sizes = parallel_sizes(world_size, constraints, per_node, head_counts, profile.num_blocks)
+    memory, scaled, ranked, smallest = _MemoryCache(), {}, [], None
+    parts_cache: dict[tuple, dict] = {}
+    splits: dict[tuple, tuple[int, ...]] = {}
+    limit = budget_gib * _GIB * (1 - margin)
+    precisions = _axis(constraints.mixed_precision, ["bf16", "fp32"])
+    recomputes = _axis(constraints.activation_checkpointing, ["none", "selective", "full"])
+    for (tp, pp, dp), precision, zero, recompute in itertools.product(
+        sizes, precisions, _axis(constraints.zero_stage, [0, 1, 2, 3]), recomputes
+    ):
+        if zero > 0 and dp == 1 and constraints.zero_stage is None:
+            continue
+        sequence_parallel = (
+            constraints.sequence_parallel if constraints.sequence_parallel is not None else tp > 1
+        )
+        if sequence_parallel and tp == 1:
+            continue
+        for micro, count in _micro_batches(constraints, dp, pp):
+            if micro not in scaled:
+                scaled[micro] = scaled_profile(profile, micro)
+            for schedule, virtual in _schedules(constraints, pp, count, profile.num_blocks):
+                choices = ParallelChoices(
+                    tensor_parallel_size=tp,
+                    pipeline_parallel_size=pp,
+                    data_parallel_size=dp,
+                    sequence_parallel=sequence_parallel,
+                    zero_stage=zero,
+                    micro_batch_size=micro,
+                    sequence_length=sequence_length,
+                    num_microbatches=count,
+                    schedule=schedule,
+                    mixed_precision=precision,
+                    activation_checkpointing=recompute,
+                    sharding_plan=sharding_plans.get(sequence_parallel) if tp > 1 else None,
+                )
+                estimate = memory.estimate(scaled[micro], choices)
+                if smallest is None or estimate.total < smallest[1].total:
+                    smallest = (choices, estimate)
+                if estimate.total > limit:
+                    continue
+                parts_key = (tp, sequence_parallel, precision, micro)
+                if parts_key not in parts_cache:
+                    parts_cache[parts_key] = op_parts(scaled[micro], choices, hardware)
+                parts = parts_cache[parts_key]
+                split = ()
+                if pp > 1 and virtual == 1:
+                    if (parts_key, pp) not in splits:
+                        splits[parts_key, pp] = balanced_split(scaled[micro], choices, hardware, parts)
+                    split = splits[parts_key, pp]
+                cost = predict_step(
+                    scaled[micro],
+                    choices,
+                    hardware,
+                    virtual_stages=virtual,
+                    devices_per_node=per_node,
+                    stage_split=split or None,
+                    parts=parts,
+                )
+                ranked.append(Candidate(choices, virtual, split, estimate, cost))
+    if not ranked:
+        detail = ""
+        if smallest is not None:
+            choices, estimate = smallest
+            detail = (
+                f": the smallest estimate is {estimate.total / _GIB:.2f} GiB per device (tp="
+                f"{choices.tensor_parallel_size}, pp={choices.pipeline_parallel_size}, dp="
+                f"{choices.data_parallel_size}, ZeRO-{choices.zero_stage}, "
+                f"{choices.activation_checkpointing!r} checkpointing, {choices.mixed_precision})"
+            )
+        raise ConstraintError(
+            f"no plan fits {1 - margin:.0%} of memory_per_device_gb={budget_gib:.2f}{detail}; use more "
+            "devices, a smaller micro-batch or sequence, or relax a constraint"
+        )
+    return sorted(ranked, key=_rank_key)
+
+
+def _rank_key(candidate: Candidate) -> tuple:
+    c = candidate.choices
+    return (
+        round(candidate.cost.step_time_s, 9),
+        candidate.memory.total,
+        c.tensor_parallel_size,
+        c.pipeline_parallel_size,
+        c.zero_stage,
+        ("none", "selective", "full").index(c.activation_checkpointing),
+        c.mixed_precision,
+        c.micro_batch_size,
+        c.schedule,
+        candidate.virtual_stages,
+    )

@@ -39,14 +39,14 @@ STATUSES = ("pass", "error", "silent", "not runnable")
 ZERO_GRADIENT_FRACTION = 1e-6
 
 
-def error_line(error: BaseException | str) -> str:
-    """``Type: first line of the message``, trimmed to :data:`ERROR_TEXT_CHARS`."""
+def error_line(error: BaseException | str, limit: int | None = ERROR_TEXT_CHARS) -> str:
+    """``Type: first line of the message``, trimmed to ``limit`` characters (None: whole)."""
     if isinstance(error, BaseException):
         message = (str(error).strip().splitlines() or [""])[0]
         text = f"{type(error).__name__}: {message}" if message else type(error).__name__
     else:
         text = error
-    return text if len(text) <= ERROR_TEXT_CHARS else text[: ERROR_TEXT_CHARS - 1] + "…"
+    return text if limit is None or len(text) <= limit else text[: limit - 1] + "…"
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Cell:
 
     @classmethod
     def from_error(cls, error: BaseException | str, seconds: float = 0.0, **details: Any) -> Cell:
-        return cls("error", error_line(error), seconds, details)
+        return cls("error", error_line(error), seconds, {"error": error_line(error, None), **details})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,7 +103,8 @@ def _parallelize_mode(name: str) -> Mode:
     def payload(references: References) -> dict[str, Any]:
         references.losses()  # a reference that cannot train fails here, before the ranks run
         if name == "ckpt":
-            return {"path": tempfile.mkdtemp(prefix="hf-sweep-ckpt-")}
+            # vescale.save refuses an existing path: a new one inside a fresh directory
+            return {"path": os.path.join(tempfile.mkdtemp(prefix="hf-sweep-ckpt-"), "checkpoint")}
         return {"constraints": CONSTRAINTS[name]}
 
     def judge(results: list[dict[str, Any]], references: References) -> Cell:

@@ -20,6 +20,8 @@ Example::
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Any
 
 import torch
@@ -128,6 +130,8 @@ def parallelize_on_rank(arch: str, payload: dict[str, Any]) -> dict[str, Any]:
 
 def checkpoint_on_rank(arch: str, payload: dict[str, Any]) -> dict[str, Any]:
     """On each rank: train under dp2 x tp2 ZeRO-3, save, load under tp4, train on (module docstring)."""
+    import torch.distributed as dist
+
     import vescale
 
     plan, model, optimizer, loader = _build(arch, CONSTRAINTS["dp2xtp2-zero3"])
@@ -139,7 +143,11 @@ def checkpoint_on_rank(arch: str, payload: dict[str, Any]) -> dict[str, Any]:
     vescale.load(
         payload["path"], {"plan": plan, "model": model, "optimizer": optimizer, "data_loader": loader}
     )
-    return {"saved_losses": saved_losses, "losses": _train(model, optimizer, loader, RESUMED)}
+    losses = _train(model, optimizer, loader, RESUMED)
+    dist.barrier()  # every rank has read the checkpoint
+    if dist.get_rank() == 0:
+        shutil.rmtree(os.path.dirname(payload["path"]), ignore_errors=True)
+    return {"saved_losses": saved_losses, "losses": losses}
 
 
 PARALLELIZE_RANK_FUNCTIONS = {

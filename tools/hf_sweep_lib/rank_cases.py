@@ -64,7 +64,7 @@ def run_cases_on_rank(cases: list[tuple[str, str, Any]]) -> list[dict[str, Any]]
         try:
             result = RANK_FUNCTIONS[mode](arch, payload)
         except Exception as error:
-            result = {"error": error_line(error), "traceback": traceback.format_exc()[-4000:]}
+            result = {"error": error_line(error, None), "traceback": traceback.format_exc()[-4000:]}
         result["seconds"] = time.perf_counter() - started
         result["rank"] = dist.get_rank()
         results.append(result)

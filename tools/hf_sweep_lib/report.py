@@ -19,13 +19,31 @@ _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"|`[^`]*`")
 _NUMBER = re.compile(r"(?<![A-Za-z_])-?\d+(\.\d+)?(e[-+]?\d+)?")
 
 
-def error_class(text: str) -> str:
-    """A cell's text with names and numbers blanked, so that one cause groups across models."""
+def _full_error_line(cell: dict[str, Any]) -> str:
+    details = cell.get("details", {})
+    if details.get("error"):
+        return details["error"]
+    # Older records: the exception's own line in the traceback (notes added to it follow it).
+    type_name = re.escape(cell["text"].split(":", 1)[0])
+    lines = [
+        line
+        for line in details.get("traceback", "").splitlines()
+        if re.match(rf"^([\w.]+\.)?{type_name}(:|$)", line)
+    ]
+    return lines[-1] if lines else cell["text"]
+
+
+def error_class(cell: dict[str, Any]) -> str:
+    """A cell's whole error line with names and numbers blanked, so that one cause groups across models."""
+    text = cell["text"]
     if text.startswith("✘ silently wrong"):
         return "✘ silently wrong"
+    text = _full_error_line(cell)
+    text = re.sub(r"^[\w.]+\.(\w+(Error|Exception)):", r"\1:", text)  # module path of the exception type
     text = _QUOTED.sub("'…'", text)
     text = re.sub(r"\([^()]*\)", "(…)", text)
-    return _NUMBER.sub("N", text)
+    text = _NUMBER.sub("N", text)
+    return text if len(text) <= 160 else text[:159] + "…"
 
 
 def totals(record: dict[str, Any], mode: str) -> dict[str, int]:
@@ -99,7 +117,7 @@ def failure_classes_markdown(record: dict[str, Any], modes: list[str]) -> str:
         for arch, cells in sorted(record["results"].items()):
             cell = cells.get(mode)
             if cell and cell["status"] != "pass":
-                classes[error_class(cell["text"])].append((arch, cell["text"]))
+                classes[error_class(cell)].append((arch, cell["text"]))
         for key, members in sorted(classes.items(), key=lambda item: (-len(item[1]), item[0])):
             lines.append(f"- **{len(members)}** `{_escape(key)}`")
             lines.append(f"  - e.g. `{_escape(members[0][1])}`")

@@ -263,7 +263,11 @@ def _shrink_field(
         and len(value) == layer_count
         and name not in _LAYER_INDEX_LISTS
     ):
-        return [value[layer] for layer in layers]
+        kept = [value[layer] for layer in layers]
+        if name.endswith("_per_layer"):  # per-layer sizes (head counts): shrunk as the size itself
+            field = name.removesuffix("_per_layer")
+            return [_shrink_field(field, item, config, sizes, query_heads, None, layers) for item in kept]
+        return kept
     if isinstance(value, list) and name in _LAYER_INDEX_LISTS:
         return [position for position, layer in enumerate(layers) if layer in value]
     if value is None and name in _TOP_K and any(config.get(experts) for experts in _EXPERTS):

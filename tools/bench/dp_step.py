@@ -9,9 +9,15 @@ The model is a stack of ``--layers`` wide ``Linear(width, width)`` + GELU blocks
 with AdamW on ``--rows`` rows per rank (loss: mean square of the output). Every variant runs
 in its own run on the same ``--dp`` gloo ranks, one thread per rank, from the same seed:
 
-* PyTorch DDP (``DistributedDataParallel``, its defaults: 25 MB buckets) vs ours at ZeRO-0;
-* PyTorch FSDP2 (``fully_shard`` per block and the root) vs ours at ZeRO-3;
-* ours at ZeRO-1 and 2, and deterministic mode at ZeRO-0 to 3 (vs the default mode).
+* PyTorch DDP (``DistributedDataParallel`` with ``gradient_as_bucket_view=True``,
+  ``static_graph=True`` and our ``--bucket-mb`` buckets) vs ours at ZeRO-0;
+* ``torch.distributed.optim.ZeroRedundancyOptimizer`` over that DDP vs ours at ZeRO-1;
+* PyTorch FSDP2 with ``reshard_after_forward=False`` everywhere (ZeRO-2: gradients and state
+  sharded, parameters kept whole) vs ours at ZeRO-2;
+* PyTorch FSDP2 with torchtitan's settings (``fully_shard`` per block, resharding after forward
+  except the last block, and the root) vs ours at ZeRO-3, which is FSDP2 ``fully_shard`` per
+  element of each ``nn.ModuleList`` and the root, driven by ``vescale.doptim``;
+* deterministic mode at ZeRO-0 to 3 (vs the default mode; reported, not checked).
 
 Step time is fwd + bwd + optimizer step + ``zero_grad``, each step bracketed by barriers:
 the slowest rank's time, median of ``--steps`` steps after one warm-up step. ``--repeats R``
@@ -54,13 +60,23 @@ VARIANTS = (
     "torch DDP",
     "ours ZeRO-0",
     "ours ZeRO-0 deterministic",
+    "torch ZeroRedundancyOptimizer",
     "ours ZeRO-1",
     "ours ZeRO-1 deterministic",
+    "torch FSDP2 no reshard",
     "ours ZeRO-2",
     "ours ZeRO-2 deterministic",
     "torch FSDP2",
     "ours ZeRO-3",
     "ours ZeRO-3 deterministic",
+)
+# (ours, native baseline, time goal or None): the rows run_all.py checks.
+PAIRS = (
+    ("ours ZeRO-0", "torch DDP", 1.0),
+    ("ours ZeRO-1", "torch ZeroRedundancyOptimizer", 1.0),
+    ("ours ZeRO-2", "torch FSDP2 no reshard", 1.0),
+    ("ours ZeRO-3", "torch FSDP2", 1.0),
+    *((f"ours ZeRO-{stage} deterministic", f"ours ZeRO-{stage}", None) for stage in range(4)),
 )
 MiB = 2**20
 
@@ -93,15 +109,37 @@ def _unique_bytes(tensors: list[torch.Tensor | None]) -> int:
 
 def _wrap(variant: str, model: nn.Module, bucket_size_mb: float) -> tuple[nn.Module, torch.optim.Optimizer]:
     mesh = init_mesh(dp=dist.get_world_size())
-    if variant == "torch DDP":
-        wrapped = nn.parallel.DistributedDataParallel(model, process_group=mesh.get_group("dp"))
-        return wrapped, torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if variant == "torch FSDP2":
+    if variant in ("torch DDP", "torch ZeroRedundancyOptimizer"):
+        # What a PyTorch engineer would write: gradients as views of the buckets (no copy, no
+        # second gradient copy in memory), a static graph (the same parameters every step), the
+        # same bucket size as ours.
+        wrapped = nn.parallel.DistributedDataParallel(
+            model,
+            process_group=mesh.get_group("dp"),
+            bucket_cap_mb=bucket_size_mb,
+            gradient_as_bucket_view=True,
+            static_graph=True,
+        )
+        if variant == "torch DDP":
+            return wrapped, torch.optim.AdamW(model.parameters(), lr=1e-4)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, process_group=mesh.get_group("dp"), lr=1e-4
+        )
+        return wrapped, optimizer
+    if variant.startswith("torch FSDP2"):
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+        # torchtitan's settings for ZeRO-3: every block but the last reshards after forward (the
+        # last one's parameters are needed again at once by backward), the root does not; ZeRO-2
+        # (gradients and state sharded, parameters kept whole) never reshards.
+        reshard = variant == "torch FSDP2"
+        for index, block in enumerate(model.blocks):
+            fully_shard(
+                block, mesh=mesh["dp"], reshard_after_forward=reshard and index < len(model.blocks) - 1
+            )
+        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
     zero_stage = int(variant.split("ZeRO-")[1][0])
     options = {} if zero_stage == 3 else {"bucket_size_mb": bucket_size_mb}
@@ -121,6 +159,7 @@ def _gradient_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> lis
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local shard
     return [
         value
         for state in optimizer.state.values()
@@ -183,14 +222,9 @@ def _print_time_and_memory(measured: dict[str, dict], repeats: int) -> None:
             f"| {variant} | {_spread(row['times'])} | {row['params'] / MiB:.0f} | {row['grads'] / MiB:.0f} | "
             f"{row['state'] / MiB:.0f} | {row['peak'] / MiB:.0f} |"
         )
-    pairs = [
-        ("ours ZeRO-0", "torch DDP"),
-        ("ours ZeRO-3", "torch FSDP2"),
-        ("ours ZeRO-2", "ours ZeRO-1"),
-        *((f"ours ZeRO-{stage} deterministic", f"ours ZeRO-{stage}") for stage in range(4)),
-    ]
+    pairs = [(ours, other) for ours, other, _ in PAIRS]
     print(
-        "\n| ours | against | time ratio (goal <= 1.05), median of per-repeat ratios (min-max) | "
+        "\n| ours | against | time ratio (goal <= 1.00), median of per-repeat ratios (min-max) | "
         "peak memory ratio (goal <= 1.0) |"
     )
     print("|---|---|---:|---:|")
@@ -233,9 +267,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--rows", type=int, default=8, help="rows per rank")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of every variant")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved runs (blocks) of every variant")
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--json", help="write the checked rows here (for run_all.py)")
     arguments = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     numel = arguments.layers * (arguments.width**2 + arguments.width)
@@ -270,6 +305,23 @@ def main() -> None:
                 row[key] = max(row[key], *(result[key] for result in results))
     _print_time_and_memory(measured, arguments.repeats)
     _print_zero_targets(measured, numel, arguments.dp, arguments.bucket_mb)
+    from bench_rows import bench_row, write_rows
+
+    rows = [
+        bench_row(
+            f"dp_step dp{arguments.dp}",
+            f"{ours} vs {other}",
+            measured[ours]["times"],
+            measured[other]["times"],
+            measured[ours]["peak"],
+            measured[other]["peak"],
+            time_goal=goal,
+            memory_goal=1.0 if goal else None,
+        )
+        for ours, other, goal in PAIRS
+        if ours in measured and other in measured
+    ]
+    write_rows(arguments.json, rows)
 
 
 if __name__ == "__main__":

@@ -1,38 +1,47 @@
-"""End-to-end step time: ``vescale.parallelize`` vs a hand-written PyTorch 2-D set-up, eager vs compile.
+"""End-to-end step time and memory: ``vescale.parallelize`` vs hand-written torchtitan-style PyTorch.
 
-    .venv/bin/python tools/bench/e2e.py                 # dp2 x tp2 on 4 CPU ranks, tiny Llama
-    .venv/bin/python tools/bench/e2e.py --steps 10 --repeats 3
-    .venv/bin/python tools/bench/e2e.py --variants "vescale dp2×tp2 sdpa" "vescale dp2×tp2 sdpa selective"
+    .venv/bin/python tools/bench/e2e.py                 # dp2 x tp2 and dp4 on 4 CPU ranks, tiny Llama
+    .venv/bin/python tools/bench/e2e.py --steps 3 --blocks 5
+    .venv/bin/python tools/bench/e2e.py --pairs "vescale dp2×tp2 sdpa" "vescale dp2×tp2 sdpa selective"
 
-Variants, each on the same 4 gloo ranks (one thread each), the same ``transformers`` Llama
-(``--hidden`` wide, ``--layers`` deep, seed 0) and the same batches (``--batch`` rows of
-``--seq`` tokens per dp rank):
+Variants, each on the same 4 gloo ranks (one thread each, fresh rank processes per run), the
+same ``transformers`` Llama (``--hidden`` wide, ``--layers`` deep, seed 0) and the same batches
+(``--batch`` rows of ``--seq`` tokens per dp rank). Native sides are what a PyTorch engineer
+would write, after torchtitan's ``parallelize`` for Llama:
 
-* ``native``: PyTorch only — ``torch.distributed.tensor.parallel.parallelize_module`` with the
-  Megatron plan of ``vescale.dtensor.testing.models.tp_plans`` over ``tp``, then FSDP2
-  ``fully_shard`` on every decoder layer and the root over ``dp``; ``torch.optim.AdamW``;
-* ``vescale``: ``vescale.generate_plan(model, {dp 2, tp 2, ZeRO-3, no SP})`` and
-  ``vescale.parallelize(plan, model, optimizer_fn)``;
-* ``vescale dp2×tp2 sdpa`` and ``vescale dp2×tp2 sdpa+compile``: the same plan, eager and with
-  ``compile=True`` (with tensor parallelism,
-  each decoder layer is compiled on its own; the rest runs eagerly), with ``sdpa`` attention:
-  torch 2.13 cannot trace eager attention's 4-D ``matmul`` on head-sharded DTensors of a 2-D mesh
-  ("Sharding propagation failed for aten.bmm.default" on ``_StridedShard`` under fake tensors);
-* ``vescale dp4`` and ``vescale dp4+compile``: eager vs ``compile=True`` on a dp4 plan (ZeRO-0,
-  the whole model compiled);
-* ``vescale dp2×tp2 sdpa selective`` and ``... full``, eager and ``+compile``: the sdpa plan with
-  ``activation_checkpointing`` ``"selective"`` (backward recomputes no matmul) and ``"full"``
-  (backward recomputes each layer whole): what recomputation costs per step.
+* ``native`` / ``native sdpa`` (eager / sdpa attention): ``parallelize_module`` over ``tp`` with
+  local outputs — vocabulary-parallel embedding (``RowwiseParallel``), ``ColwiseParallel`` q/k/v
+  and gate/up, ``RowwiseParallel`` o/down, the attention's and MLP's input prepared once as a
+  Replicate DTensor (``PrepareModuleInput(use_local_output=False)``, so each branch's input
+  gradient is all-reduced once), the LM head column-parallel with gathered logits (the loss is
+  ``transformers``' own, inside the model) — then FSDP2 ``fully_shard`` per decoder layer
+  (resharding after forward except the last) and the root over ``dp``; ``torch.optim.AdamW``;
+* ``native sdpa+compile``: the same, each decoder layer ``torch.compile``d after TP and before
+  FSDP2 (torchtitan's order);
+* ``native dp4`` / ``native dp4+compile``: ``DistributedDataParallel`` (gradients as bucket
+  views, 25 MB buckets), the compiled one through ``torch.compile`` of the DDP module;
+* ``vescale`` (eager attention), ``vescale dp2×tp2 sdpa`` and ``... sdpa+compile``:
+  ``vescale.generate_plan(model, {dp 2, tp 2, ZeRO-3, no SP})`` and
+  ``vescale.parallelize(plan, model, optimizer_fn, compile=...)`` (with tensor parallelism
+  each decoder layer is compiled on its own);
+* ``vescale dp4`` and ``vescale dp4+compile``: a dp4 ZeRO-0 plan (the whole model compiled);
+* ``vescale dp2×tp2 sdpa selective`` / ``full`` (and ``+compile``), run only when named:
+  what recomputation costs per step, against the sdpa row without it.
 
-Step time is fwd + bwd + optimizer step + ``zero_grad`` between barriers, the slowest rank's,
-median over ``--steps`` steps after ``--warmup`` warm-up steps (compilation happens there).
-``--repeats`` interleaves the variants so that load from other processes hits each alike; the
-table gives the median over repeats and the ratio to ``native`` (goal: vescale <= 1.05).
+Each pair runs in its own fresh 4 rank processes: the native side is built and warmed up
+(``--warmup`` steps, compilation included), then ours, then the two alternate ``--blocks``
+blocks of ``--steps`` steps (A B A B ...), so that load from other processes on the machine
+hits both alike. Step time is fwd + bwd + optimizer step + ``zero_grad`` between barriers,
+the slowest rank's; a block's time is its median step. The ratio is the median of the
+per-block ratios with their min-max (goal: <= 1.00). Memory is each side's worst-rank peak
+resident growth over its build and ``--warmup`` steps (weights, optimizer state, activations),
+measured in a run of its own in fresh rank processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -44,12 +53,24 @@ from torch.distributed.fsdp import fully_shard
 
 import vescale
 from vescale.dtensor.testing import run_on_ranks, shutdown_rank_pool
-from vescale.dtensor.testing.models.tp_plans import apply_tensor_parallel
+from vescale.dtensor.testing.memory import PeakResident
 
 COMPILED_TP = "vescale dp2×tp2 sdpa+compile"
 EAGER_SDPA = "vescale dp2×tp2 sdpa"  # the compiled row's eager twin
 RECOMPUTED = {f"{base} {mode}": mode for base in (EAGER_SDPA, COMPILED_TP) for mode in ("selective", "full")}
-VARIANTS = ("native", "vescale", EAGER_SDPA, COMPILED_TP, "vescale dp4", "vescale dp4+compile", *RECOMPUTED)
+# (ours, native baseline): the checked pairs.
+PAIRS = (
+    ("vescale", "native"),
+    (EAGER_SDPA, "native sdpa"),
+    (COMPILED_TP, "native sdpa+compile"),
+    ("vescale dp4", "native dp4"),
+    ("vescale dp4+compile", "native dp4+compile"),
+)
+# Recomputation rows are measured against the same plan without recomputation.
+OURS_TO_NATIVE = {
+    **dict(PAIRS),
+    **{name: EAGER_SDPA if "compile" not in name else COMPILED_TP for name in RECOMPUTED},
+}
 
 
 def _config(hidden: int, layers: int, attention: str = "eager") -> transformers.LlamaConfig:
@@ -61,7 +82,6 @@ def _config(hidden: int, layers: int, attention: str = "eager") -> transformers.
         num_attention_heads=8,
         num_key_value_heads=4,
         max_position_embeddings=256,
-        # Stock DTensor has no strategy for the CPU flash-attention op (native needs "eager").
         attn_implementation=attention,
         tie_word_embeddings=False,
     )
@@ -71,14 +91,65 @@ def _optimizer_fn(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def _native(config: transformers.LlamaConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+def _torchtitan_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
+    """torchtitan's Llama TP plan (no sequence parallelism) on ``transformers``' module names."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            # Vocabulary-parallel head with gathered logits: transformers computes the loss inside.
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
+    for layer in model.model.layers:
+        # One Replicate DTensor per branch input: q/k/v (gate/up) read it, their input gradients
+        # add up as one Partial DTensor and are all-reduced once per branch.
+        plan = {
+            "self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Replicate()},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                use_local_output=False,
+            ),
+            "mlp": PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+            ),
+            **{f"self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")},
+            "self_attn.o_proj": RowwiseParallel(),
+            **{f"mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")},
+            "mlp.down_proj": RowwiseParallel(),
+        }
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def _native(variant: str, config: transformers.LlamaConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    apply_tensor_parallel(model, "llama", mesh["tp"], sequence_parallel=False)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    if "dp4" in variant:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            model, process_group=mesh.get_group("dp"), bucket_cap_mb=25, gradient_as_bucket_view=True
+        )
+        if variant.endswith("+compile"):
+            wrapped = torch.compile(wrapped)
+        return wrapped, _optimizer_fn(model)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    _torchtitan_tensor_parallel(model, mesh["tp"])
+    layers = model.model.layers
+    if variant.endswith("+compile"):
+        for index, layer in enumerate(layers):
+            layers.register_module(str(index), torch.compile(layer))
+    for index, layer in enumerate(layers):
+        fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=index < len(layers) - 1)
+    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
     return model, _optimizer_fn(model)
 
 
@@ -92,38 +163,85 @@ def _vescale(
     return model, optimizer
 
 
-def step_seconds(
-    variant: str, hidden: int, layers: int, batch: int, seq: int, warmup: int, steps: int
-) -> float:
-    """The median step time of ``variant`` on this rank's share (all ranks agree after the max-reduce)."""
-    config = _config(hidden, layers, "sdpa" if variant.startswith((COMPILED_TP, EAGER_SDPA)) else "eager")
+def _build(
+    variant: str, config: transformers.LlamaConfig, batch: int
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    if variant.startswith("native"):
+        return _native(variant, config)
     dp = 4 if "dp4" in variant else 2
-    if variant == "native":
-        model, optimizer = _native(config)
-    else:
-        constraints = {"data_parallel.size": 4, "zero.stage": 0}
-        if dp == 2:
-            constraints = {"data_parallel.size": 2, "tensor_parallel.size": 2, "zero.stage": 3}
-            constraints["sequence_parallel"] = False  # the native set-up has none
-            constraints["activation_checkpointing"] = RECOMPUTED.get(variant, "none")
-        constraints.update({"global_batch_size": dp * batch, "micro_batch_size": batch})
-        model, optimizer = _vescale(config, constraints, compile_model="+compile" in variant)
-    # Each dp rank's own rows (the tp ranks of one dp rank share them).
-    generator = torch.Generator().manual_seed(dist.get_rank() // (4 // dp))
-    input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
+    constraints = {"data_parallel.size": 4, "zero.stage": 0}
+    if dp == 2:
+        constraints = {"data_parallel.size": 2, "tensor_parallel.size": 2, "zero.stage": 3}
+        constraints["sequence_parallel"] = False  # the native set-up has none
+        constraints["activation_checkpointing"] = RECOMPUTED.get(variant, "none")
+    constraints.update({"global_batch_size": dp * batch, "micro_batch_size": batch})
+    return _vescale(config, constraints, compile_model="+compile" in variant)
+
+
+def _steps(model, optimizer, input_ids: torch.Tensor, count: int) -> list[float]:
     times = []
-    for step in range(warmup + steps):
+    for _ in range(count):
         dist.barrier()
         start = time.perf_counter()
         optimizer.zero_grad()
         model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
         optimizer.step()
         dist.barrier()
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-    slowest = torch.tensor([statistics.median(times)])
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.item()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def pair_on_ranks(
+    ours: str,
+    native: str,
+    hidden: int,
+    layers: int,
+    batch: int,
+    seq: int,
+    warmup: int,
+    steps: int,
+    blocks: int,
+) -> dict:
+    """Both sides built in these ranks (native first), then ``blocks`` alternating blocks of ``steps``.
+
+    Returns the slowest rank's per-block median step times.
+    """
+    torch._dynamo.config.recompile_limit = 64  # both sides' blocks share one code object
+    sdpa = any(name in ours for name in ("sdpa", "dp4"))
+    config = _config(hidden, layers, "sdpa" if sdpa else "eager")
+    dp = 4 if "dp4" in ours else 2
+    # Each dp rank's own rows (the tp ranks of one dp rank share them).
+    generator = torch.Generator().manual_seed(dist.get_rank() // (4 // dp))
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
+    sides = {}
+    for variant in (native, ours):
+        model, optimizer = _build(variant, config, batch)
+        _steps(model, optimizer, input_ids, warmup)
+        sides[variant] = (model, optimizer)
+    block_times: dict[str, list[float]] = {native: [], ours: []}
+    for _ in range(blocks):
+        for variant in (native, ours):
+            block_times[variant].append(statistics.median(_steps(*sides[variant], input_ids, steps)))
+    worst = torch.tensor([*block_times[native], *block_times[ours]], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    values = worst.tolist()
+    return {"native": values[:blocks], "ours": values[blocks:]}
+
+
+def peak_on_ranks(variant: str, hidden: int, layers: int, batch: int, seq: int, warmup: int) -> int:
+    """In fresh ranks, the worst rank's peak resident growth over building ``variant`` and ``warmup``
+    steps: its weights, optimizer state, activations and temporaries."""
+    sdpa = any(name in variant for name in ("sdpa", "dp4"))
+    config = _config(hidden, layers, "sdpa" if sdpa else "eager")
+    dp = 4 if "dp4" in variant else 2
+    generator = torch.Generator().manual_seed(dist.get_rank() // (4 // dp))
+    input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
+    with PeakResident() as peak:
+        model, optimizer = _build(variant, config, batch)
+        _steps(model, optimizer, input_ids, warmup)
+    worst = torch.tensor([float(peak.growth)], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return int(worst.item())
 
 
 def main() -> None:
@@ -135,31 +253,57 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="rows per dp rank")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--steps", type=int, default=3, help="steps per block")
+    parser.add_argument("--blocks", type=int, default=5, help="alternating blocks per side")
+    parser.add_argument(
+        "--pairs", nargs="+", default=[ours for ours, _ in PAIRS], choices=list(OURS_TO_NATIVE)
+    )
+    parser.add_argument("--json", help="write the checked rows here (for run_all.py)")
     args = parser.parse_args()
-    variants = ["native", *(variant for variant in args.variants if variant != "native")]
-    shape = (args.hidden, args.layers, args.batch, args.seq, args.warmup, args.steps)
-    seconds: dict[str, list[float]] = {variant: [] for variant in variants}
+    from bench_rows import bench_row, write_rows
+
+    shape = (args.hidden, args.layers, args.batch, args.seq, args.warmup, args.steps, args.blocks)
+    rows = []
     try:
-        for _ in range(args.repeats):
-            for variant in variants:
-                seconds[variant].append(
-                    run_on_ranks(step_seconds, 4, args=(variant, *shape), timeout_s=900)[0]
+        for ours in args.pairs:
+            native = OURS_TO_NATIVE[ours]
+            result = run_on_ranks(pair_on_ranks, 4, args=(ours, native, *shape), timeout_s=1800)[0]
+            # Each side's memory in fresh rank processes of its own, so neither reuses the other's heap.
+            for side, variant in (("native_peak", native), ("ours_peak", ours)):
+                shutdown_rank_pool()
+                memory_shape = (args.hidden, args.layers, args.batch, args.seq, args.warmup)
+                result[side] = run_on_ranks(peak_on_ranks, 4, args=(variant, *memory_shape), timeout_s=1800)[
+                    0
+                ]
+            shutdown_rank_pool()
+            checked = ours not in RECOMPUTED
+            rows.append(
+                bench_row(
+                    "e2e",
+                    f"{ours} vs {native}",
+                    result["ours"],
+                    result["native"],
+                    result["ours_peak"],
+                    result["native_peak"],
+                    time_goal=1.0 if checked else None,
+                    memory_goal=1.0 if checked else None,
                 )
+            )
+            print(json.dumps(rows[-1]), flush=True)
     finally:
         shutdown_rank_pool()
-    native = statistics.median(seconds["native"])
     tokens = f"{args.batch}x{args.seq} tokens per dp rank"
-    meshes = "native and vescale: dp2 x tp2; dp4 rows: dp4"
-    print(f"Llama hidden={args.hidden} layers={args.layers}, {tokens}, {args.repeats} repeat(s); {meshes}")
-    print("| variant | step time (ms), median of repeats | min-max (ms) | ratio to native |")
-    print("|---|---|---|---|")
-    for variant in variants:
-        median = statistics.median(seconds[variant])
-        spread = f"{min(seconds[variant]) * 1e3:.1f}-{max(seconds[variant]) * 1e3:.1f}"
-        print(f"| {variant} | {median * 1e3:.1f} | {spread} | {median / native:.2f} |")
+    blocks = f"{args.blocks} blocks of {args.steps} steps"
+    print(f"\nLlama hidden={args.hidden} layers={args.layers}, {tokens}, {blocks}")
+    print("| ours vs native | ours ms | native ms | time ratio, median (min-max) | peak memory ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for row in rows:
+        print(
+            f"| {row['row']} | {row['ours_s'] * 1e3:.1f} | {row['native_s'] * 1e3:.1f} | "
+            f"{row['ratio']:.3f} ({row['ratio_min']:.3f}-{row['ratio_max']:.3f}) | "
+            f"{row['memory_ratio']:.3f} |"
+        )
+    write_rows(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from vescale.planner.memory import ParallelChoices
 from vescale.planner.performance import Performance, RunnerUp
 from vescale.planner.plan import Plan
 from vescale.planner.profile import ModelProfile, find_repeated_blocks
-from vescale.planner.search import Candidate, search_plans
+from vescale.planner.search import Candidate, search_plans, seconds_per_sample
 
 __all__ = ["performance_of", "plan_by_cost"]
 
@@ -51,13 +51,13 @@ def performance_of(
 
 
 def _why_lost(best: Candidate, other: Candidate) -> str:
-    slower = other.cost.step_time_s / best.cost.step_time_s - 1
+    slower = seconds_per_sample(other) / seconds_per_sample(best) - 1
     mine, theirs = dict(best.cost.breakdown), dict(other.cost.breakdown)
     part = max(theirs, key=lambda name: theirs[name] - mine.get(name, 0.0))
     grew = theirs[part] - mine.get(part, 0.0)
     if slower <= 1e-9:
         return "as fast; ranked after it by memory and then its fields (deterministic ties)"
-    return f"{100 * slower:.1f}% slower, most of it in {part} (+{grew:.3g} s)"
+    return f"{100 * slower:.1f}% slower per sample, most of it in {part} (+{grew:.3g} s)"
 
 
 def _runners_up(ranked: list[Candidate], top_k: int) -> tuple[RunnerUp, ...]:
@@ -148,12 +148,13 @@ def plan_by_cost(
             hardware,
             devices_per_node=per_node,
         )
-        ratio = from_rules.step_time_s / best.cost.step_time_s
+        samples = rule_choice.data_parallel_size * rule_choice.micro_batch_size * rule_choice.num_microbatches
+        ratio = from_rules.step_time_s / samples / seconds_per_sample(best)
         reasons["rule_based_choice"] = (
             f"tp={rule_choice.tensor_parallel_size} pp={rule_choice.pipeline_parallel_size} dp="
             f"{rule_choice.data_parallel_size} ZeRO-{rule_choice.zero_stage} {rule_choice.mixed_precision} "
             f"{rule_choice.activation_checkpointing!r}: predicted {from_rules.step_time_s:.4g} s, "
-            f"{ratio:.2f}x the chosen plan's time"
+            f"{ratio:.2f}x the chosen plan's time per sample"
         )
     performance = performance_of(best, hardware, world_size, _runners_up(ranked, top_k))
     return assemble_plan(

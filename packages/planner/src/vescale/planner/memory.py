@@ -124,16 +124,37 @@ class MemoryEstimate:
         return cls(**parts)
 
 
+# Plan -> (its regex answers by FQN): a search asks the same questions thousands of times.
+_PLAN_ANSWERS: dict[int, tuple[ShardingPlan, dict[str, bool], dict[str, bool]]] = {}
+
+
+def _answers(plan: ShardingPlan) -> tuple[dict[str, bool], dict[str, bool]]:
+    entry = _PLAN_ANSWERS.get(id(plan))
+    if entry is None or entry[0] is not plan:
+        if len(_PLAN_ANSWERS) >= 16:
+            _PLAN_ANSWERS.clear()
+        entry = _PLAN_ANSWERS[id(plan)] = (plan, {}, {})
+    return entry[1], entry[2]
+
+
 def _tp_sharded(plan: ShardingPlan, fqn: str) -> bool:
-    decided = None
-    for pattern, placements in plan.parameter:  # the last matching entry wins
-        if re.fullmatch(pattern, fqn):
-            decided = placements
-    return decided is not None and not all(isinstance(p, Replicate) for p in decided)
+    sharded, _ = _answers(plan)
+    if fqn not in sharded:
+        decided = None
+        for pattern, placements in plan.parameter:  # the last matching entry wins
+            if re.fullmatch(pattern, fqn):
+                decided = placements
+        sharded[fqn] = decided is not None and not all(isinstance(p, Replicate) for p in decided)
+    return sharded[fqn]
 
 
 def _column_input(plan: ShardingPlan, module_fqn: str) -> bool:
-    return any(suffix == "input" and re.fullmatch(pattern, module_fqn) for pattern, suffix, _ in plan.forward)
+    _, column = _answers(plan)
+    if module_fqn not in column:
+        column[module_fqn] = any(
+            suffix == "input" and re.fullmatch(pattern, module_fqn) for pattern, suffix, _ in plan.forward
+        )
+    return column[module_fqn]
 
 
 def _activation_divisors(profile: ModelProfile, choices: ParallelChoices) -> dict[str, int]:

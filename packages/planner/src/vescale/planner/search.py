@@ -8,7 +8,8 @@ axis by its one value; sequence parallelism is on with ``tp > 1`` unless constra
 the same ring volume and divides the norms). Memory first: a candidate is costed only when its
 estimate (:mod:`vescale.planner.memory`, activations scaled linearly from one profiled
 micro-batch) is at most ``(1 - margin)`` of the budget. Pipeline stage boundaries come from a
-dynamic program that minimises the slowest stage's time. Ties are broken by memory, then
+partition that minimises the slowest stage's time. Candidates are ranked by seconds per sample
+(the step time when ``global_batch_size`` is given). Ties are broken by memory, then
 by the candidate's fields, so the answer is the same on every run. Expert parallelism stays 1
 (an ``ep`` axis would be one more loop over :class:`Candidate`).
 
@@ -36,7 +37,7 @@ from vescale.planner.memory import MemoryEstimate, ParallelChoices, stage_sizes
 from vescale.planner.peak import peak_moments
 from vescale.planner.profile import ModelProfile
 
-__all__ = ["MEMORY_MARGIN", "Candidate", "search_plans"]
+__all__ = ["MEMORY_MARGIN", "Candidate", "search_plans", "seconds_per_sample"]
 
 MEMORY_MARGIN = 0.05
 """The share of the memory budget a chosen plan leaves free (allocator caching, fragmentation)."""
@@ -107,6 +108,14 @@ def _schedules(constraints: Constraints, pp: int, microbatches: int, blocks: int
     return options
 
 
+def _in_flight(choices: ParallelChoices) -> int:
+    if choices.pipeline_parallel_size == 1:
+        return 1
+    if choices.schedule == "gpipe":
+        return choices.num_microbatches
+    return min(choices.num_microbatches, choices.pipeline_parallel_size)
+
+
 class _MemoryCache:
     """Stage sizes per memory-relevant key, with ZeRO's division of the optimizer state applied after."""
 
@@ -121,8 +130,8 @@ class _MemoryCache:
             choices.sequence_parallel,
             choices.mixed_precision,
             choices.activation_checkpointing,
-            choices.schedule == "gpipe",
-            choices.num_microbatches if choices.pipeline_parallel_size > 1 else 1,
+            # What a stage's activations depend on: the micro-batches in flight (memory.py).
+            _in_flight(choices),
         )
         if key not in self.sizes:
             base = dataclasses.replace(choices, data_parallel_size=1, zero_stage=0)
@@ -238,10 +247,17 @@ def search_plans(
     return sorted(ranked, key=_rank_key)
 
 
+def seconds_per_sample(candidate: Candidate) -> float:
+    """Step time over the samples of the step: the measure candidates are ranked by (without a
+    ``global_batch_size`` constraint each split runs its own batch, ``dp x micro x micro-batches``)."""
+    c = candidate.choices
+    return candidate.cost.step_time_s / (c.data_parallel_size * c.micro_batch_size * c.num_microbatches)
+
+
 def _rank_key(candidate: Candidate) -> tuple:
     c = candidate.choices
     return (
-        round(candidate.cost.step_time_s, 9),
+        round(seconds_per_sample(candidate), 12),
         candidate.memory.total,
         c.tensor_parallel_size,
         c.pipeline_parallel_size,

@@ -181,7 +181,9 @@ def _run_name(model: str) -> str:
 @app.command()
 def plan(
     model: Annotated[str, typer.Option(help=_MODEL_HELP)] = "tiny-llama",
-    world_size: Annotated[int, typer.Option(help="Devices to plan for.")] = 8,
+    world_size: Annotated[
+        int | None, typer.Option(help="Devices to plan for (default 8, or --nodes x devices per node).")
+    ] = None,
     constraints: Annotated[str | None, typer.Option(help=_CONSTRAINTS_HELP)] = None,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Also write the plan as editable JSON here.")
@@ -189,12 +191,44 @@ def plan(
     explain: Annotated[
         bool, typer.Option("--explain/--no-explain", help="Print why each choice was made.")
     ] = True,
+    hardware: Annotated[
+        str | None,
+        typer.Option(
+            help="A hardware profile (h100-80gb, h200-141gb, a100-80gb, a100-40gb, cpu, or a JSON file): "
+            "the plan is then the fastest predicted one, with step time, tokens/s and MFU."
+        ),
+    ] = None,
+    nodes: Annotated[
+        int | None, typer.Option(help="Nodes to plan for: the world is nodes x devices per node.")
+    ] = None,
+    top: Annotated[int, typer.Option("--top", help="Runners-up to list with their breakdowns.")] = 3,
+    calibrate: Annotated[
+        bool,
+        typer.Option(
+            "--calibrate", help="Time matmuls and gloo collectives here, write a cpu profile, use it."
+        ),
+    ] = False,
+    profile_out: Annotated[
+        Path, typer.Option(help="Where --calibrate writes the measured profile (JSON).")
+    ] = Path("vescale-cpu-profile.json"),
 ) -> None:
-    """Print the parallel plan and memory estimate for a model on N devices (meta tensors: nothing runs)."""
+    """Print the parallel plan, its memory estimate and (with a hardware profile) its predicted speed
+    for a model on N devices (meta tensors: nothing runs)."""
     from vescale.cli.plan_command import plan_command
 
     with reported_errors():
-        plan_command(model, world_size, constraints, json_path, explain)
+        plan_command(
+            model,
+            world_size,
+            constraints,
+            json_path,
+            explain,
+            hardware=hardware,
+            nodes=nodes,
+            top=top,
+            calibrate=calibrate,
+            profile_out=profile_out,
+        )
 
 
 @checkpoint_app.command("inspect")

@@ -33,7 +33,12 @@ if TOOLS_DIRECTORY not in sys.path:
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TOOLS_DIRECTORY, os.environ.get("PYTHONPATH")]))
 
 from hf_sweep_lib.modes import MODES  # noqa: E402
-from hf_sweep_lib.report import failure_classes_markdown, write_json, write_markdown  # noqa: E402
+from hf_sweep_lib.report import (  # noqa: E402
+    failure_classes_markdown,
+    known_failures_table,
+    write_json,
+    write_markdown,
+)
 from hf_sweep_lib.runner import run_architectures  # noqa: E402
 from hf_sweep_lib.subsets import CI_SUBSET  # noqa: E402
 
@@ -58,6 +63,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--batch", type=int, default=48, help="architectures whose cases share one run of the ranks"
+    )
+    parser.add_argument(
+        "--known-failures",
+        action="store_true",
+        help="print the failed cells as test_vescale_hf_sweep.py's KNOWN_FAILURES table",
     )
     parser.add_argument(
         "--no-rank-lock",
@@ -188,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep = _Sweep(args, _selected_archs(args), modes, argv)
     record = sweep.run()
     print(failure_classes_markdown(record, modes))
+    if args.known_failures:
+        print(known_failures_table(record))
     print(f"{len(sweep.archs)} architectures, {len(modes)} modes: {record['meta']['wall_seconds']:.0f} s")
     return 0
 

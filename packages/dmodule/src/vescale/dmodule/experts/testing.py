@@ -1,0 +1,138 @@
+"""Tiny MoE models and batches shared by the expert-parallel tests and measurements.
+
+Mixtral, Qwen3-MoE, DeepSeek-V3 and OLMoE at tiny sizes: 8 experts, top-2, router logits
+(and the load-balancing loss where the model has one) on, every other config field at the
+architecture's default (tied embeddings, norms, biases, GQA ratio). DeepSeek-V3 keeps one
+dense layer first and routes within the best 2 of 4 groups of 2 experts. The global batch
+is split over the batch ranks (dp outer, ep inner), each taking an equal share of rows.
+
+``transformers`` is a test dependency: it is imported only when a model is built.
+
+Example::
+
+    model = tiny_moe("qwen3_moe")
+    ids = global_batch()
+    local_ids = batch_shard(ids, mesh)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "GLOBAL_BATCH",
+    "MOE_MODELS",
+    "SEQ_LEN",
+    "VOCAB",
+    "batch_shard",
+    "global_batch",
+    "global_mean",
+    "tiny_moe",
+]
+
+MOE_MODELS = ("mixtral", "qwen3_moe", "deepseek_v3", "olmoe")
+GLOBAL_BATCH = 8
+SEQ_LEN = 8
+VOCAB = 64
+
+
+def _config(name: str):
+    import transformers
+
+    sizes = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+    )
+    if name == "mixtral":
+        return transformers.MixtralConfig(num_local_experts=8, intermediate_size=32, **sizes)
+    if name == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            num_experts=8, moe_intermediate_size=16, intermediate_size=32, head_dim=8, **sizes
+        )
+    if name == "olmoe":
+        return transformers.OlmoeConfig(num_experts=8, intermediate_size=32, **sizes)
+    if name == "deepseek_v3":
+        return transformers.DeepseekV3Config(
+            n_routed_experts=8,
+            moe_intermediate_size=16,
+            intermediate_size=32,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            head_dim=4,
+            **sizes,
+        )
+    raise ValueError(f"unknown tiny MoE model {name!r}; choose one of {MOE_MODELS}")
+
+
+def tiny_moe(name: str, seed: int = 0, **overrides: object) -> nn.Module:
+    """The tiny causal LM ``name`` (in :data:`MOE_MODELS`), weights drawn from ``seed``, in train mode.
+
+    Example::
+
+        model = tiny_moe("mixtral", num_local_experts=6)   # overrides replace config fields
+    """
+    import transformers
+
+    config = _config(name)
+    for field_name, value in overrides.items():
+        setattr(config, field_name, value)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.train()
+    return model
+
+
+def global_batch(seed: int = 1, batch_size: int = GLOBAL_BATCH) -> torch.Tensor:
+    """The (batch_size, :data:`SEQ_LEN`) token ids of one global batch drawn from ``seed``.
+
+    Example::
+
+        ids = global_batch(seed=step + 1)
+    """
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch_size, SEQ_LEN), generator=generator)
+
+
+def batch_shard(
+    ids: torch.Tensor, mesh: DeviceMesh, batch_dims: tuple[str, ...] = ("dp", "ep")
+) -> torch.Tensor:
+    """This rank's rows of ``ids``: the batch split over ``batch_dims`` (outer first) of ``mesh``.
+
+    Example::
+
+        local_ids = batch_shard(global_batch(), init_mesh(dp=2, ep=2))   # 2 of the 8 rows
+    """
+    names = mesh.mesh_dim_names or ()
+    index, count = 0, 1
+    for dim in (dim for dim in batch_dims if dim in names):
+        size = mesh.size(names.index(dim))
+        index, count = index * size + mesh.get_local_rank(dim), count * size
+    per_rank = ids.shape[0] // count
+    return ids[index * per_rank : (index + 1) * per_rank]
+
+
+def global_mean(value: torch.Tensor) -> torch.Tensor:
+    """The mean of ``value`` over every rank (detached): the global loss from the ranks' losses.
+
+    Example::
+
+        loss = global_mean(output.loss)   # equal row counts: the global batch's mean loss
+    """
+    total = value.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()

@@ -4,6 +4,11 @@
 #   bash tools/check_components.sh               # the six components, then the meta-package
 #   bash tools/check_components.sh dcheckpoint   # the ones you name
 #
+# Each package's README example (the python block between its `--8<-- [start:example]` and
+# `[end:example]` lines; the documentation site shows the same block) runs there too, as a
+# script: `python example.py`, or under torchrun when its first line says
+# `# torchrun --nproc-per-node N`.
+#
 # "Alone" means: its wheel (not an editable install) in a fresh virtual environment that sees
 # torch and the test tools, plus the sibling wheels it declares, and nothing else of veScale:
 # for a component, no meta-package and no undeclared sibling. Needs .venv (bash tools/setup.sh)
@@ -17,6 +22,27 @@ components=("$@")
 [[ ${#components[@]} -gt 0 ]] || components=(dtensor dmodule doptim dcheckpoint dpipe planner vescale)
 say() { printf '[check_components] %s\n' "$*"; }
 site_packages() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+
+# Run packages/<component>/README.md's example with the component's environment ($2).
+run_readme_example() {
+    local readme="packages/$1/README.md" script="$work/readme-example-$1/example.py" ranks
+    if ! grep -q -- '--8<-- \[start:example\]' "$readme"; then
+        say "$readme has no example section; nothing to run"
+        return
+    fi
+    mkdir -p "$(dirname "$script")"
+    # The lines between the markers, without the opening and closing fences.
+    sed -n '/--8<-- \[start:example\]/,/--8<-- \[end:example\]/p' "$readme" | sed '1,2d' | sed '$d' | sed '$d' \
+        > "$script"
+    ranks=$(sed -n '1s/^# torchrun --nproc-per-node \([0-9][0-9]*\).*/\1/p' "$script")
+    say "$1 alone: running its README example${ranks:+ on $ranks processes}"
+    if [[ -n "$ranks" ]]; then
+        (cd "$(dirname "$script")" && "$2/bin/python" -m torch.distributed.run --standalone \
+            --nproc-per-node "$ranks" example.py)
+    else
+        (cd "$(dirname "$script")" && "$2/bin/python" example.py)
+    fi
+}
 
 mkdir -p "$work"
 rm -rf "$work/wheels"
@@ -46,6 +72,7 @@ for component in "${components[@]}"; do
     "$work/base/bin/python" -m pip --python "$env/bin/python" install -q --disable-pip-version-check \
         --no-index --find-links "$work/wheels" "$distribution"
     "$env/bin/python" tools/check_alone.py "$component"
+    run_readme_example "$component" "$env"
     if [[ "$component" == vescale && -z "${VESCALE_CHECK_META_TESTS:-}" ]]; then
         # The meta-package declares every component, so "alone" adds nothing to its tests beyond a
         # wheel install, checked above; the README's suite runs them (VESCALE_CHECK_META_TESTS=1 here too).

@@ -46,6 +46,11 @@ say "installing ${#packages[@]} packages in editable mode: ${packages[*]}"
 say "installing the test tools: ${test_tools[*]}"
 "${pip[@]}" install -q "${test_tools[@]}"
 
+# The documentation site (mkdocs.yml): `.venv/bin/mkdocs build --strict`, `mkdocs serve`.
+docs_tools=(mkdocs==1.6.1 mkdocs-material==9.8.2 "mkdocstrings[python]==1.0.8" mkdocstrings-python==2.0.11)
+say "installing the documentation tools: ${docs_tools[*]}"
+"${pip[@]}" install -q "${docs_tools[@]}"
+
 installed_torch=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
 say "torch $installed_torch; vescale packages:"
 "${pip[@]}" list 2>/dev/null | grep -E '^vescale' | sed 's/^/[setup]   /'

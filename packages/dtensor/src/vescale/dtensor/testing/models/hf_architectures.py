@@ -36,6 +36,7 @@ __all__ = [
     "causal_lm_loss",
     "default_model_failure",
     "one_process_failure",
+    "split_variant",
     "tiny_causal_lm_batch",
     "tiny_causal_lm_config",
 ]
@@ -242,6 +243,8 @@ def _shrink(config: dict[str, Any], sizes: dict[str, int]) -> dict[str, Any]:
 def _kv_heads(value: int, query_heads: int | None, sizes: dict[str, int]) -> int:
     if not query_heads or value <= 0:
         return value
+    if "kv_heads" in sizes:
+        return sizes["kv_heads"]
     ratio = max(1, query_heads // value)
     return max(1, sizes["heads"] // ratio)
 
@@ -319,6 +322,11 @@ def _shrink_int(
         return expand * sizes["hidden"] // heads
     if name == "mamba_d_ssm" and expand:
         return expand * sizes["hidden"]
+    if name == "head_dim" and value > 0 and "qk_rope_head_dim" not in config:
+        # heads * head_dim != hidden where the default has it so (Seed-OSS, Gemma): the same ratio
+        default_head_dim = _default_head_dim(config)
+        scaled = round(sizes["head_dim"] * value / default_head_dim / 2) * 2 if default_head_dim else 0
+        return min(4 * sizes["head_dim"], max(4, scaled)) if scaled else sizes["head_dim"]
     if name in _HEAD_DIM:
         return sizes["head_dim"]
     if name == "qk_head_dim":
@@ -408,8 +416,30 @@ def default_model_failure(model_type: str) -> str | None:
     return None
 
 
+def split_variant(arch: str) -> tuple[str, dict[str, int]]:
+    """``"seed_oss[kv_heads=4]"`` -> ``("seed_oss", {"kv_heads": 4})``: a model type and size overrides.
+
+    Example::
+
+        assert split_variant("llama") == ("llama", {})
+    """
+    model_type, _, variant = arch.partition("[")
+    sizes = {}
+    for item in filter(None, variant.rstrip("]").split(",")):
+        key, _, value = item.partition("=")
+        if key.strip() not in {*TINY_SIZES, "kv_heads"}:
+            raise ValueError(
+                f"unknown size {key.strip()!r} in {arch!r}; choose from {sorted({*TINY_SIZES, 'kv_heads'})}"
+            )
+        sizes[key.strip()] = int(value)
+    return model_type, sizes
+
+
 def tiny_causal_lm_config(model_type: str, sizes: dict[str, int] | None = None):
     """The tiny config of ``model_type``, derived from its default config (module docstring).
+
+    ``model_type`` may name a variant, ``"seed_oss[kv_heads=4]"``: sizes that replace
+    :data:`TINY_SIZES` (``kv_heads`` replaces the key/value heads of the default ratio).
 
     Example::
 
@@ -418,7 +448,8 @@ def tiny_causal_lm_config(model_type: str, sizes: dict[str, int] | None = None):
     """
     from transformers import CONFIG_MAPPING
 
-    sizes = {**TINY_SIZES, **(sizes or {})}
+    model_type, variant_sizes = split_variant(model_type)
+    sizes = {**TINY_SIZES, **variant_sizes, **(sizes or {})}
     config_class = CONFIG_MAPPING[model_type]
     try:
         default = config_class().to_dict()
@@ -519,7 +550,7 @@ def one_process_failure(
             return f"the loss is not finite ({loss.item()})"
     except Exception as error:  # any failure means: not runnable, with its first line as the reason
         reason = _first_line(error)
-        if not isinstance(error, DefaultConfigError) and default_model_failure(model_type) is not None:
+        if not isinstance(error, DefaultConfigError) and default_model_failure(split_variant(model_type)[0]):
             reason = f"its default config fails in transformers too: {reason}"
         return reason[:200]
     return None

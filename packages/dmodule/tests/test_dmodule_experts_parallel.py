@@ -77,3 +77,71 @@ def test_expert_parallel_step_matches_single_device(name, mesh_dims):
     print(f"{name} {mesh_dims}: worst over ranks", {k: max(r[k] for r in results) for k in results[0]})
     for rank, errors in enumerate(results):
         assert max(errors.values()) <= TOLERANCE, (rank, errors)
+
+
+def _tensor_parallel_outside_experts(name: str) -> dict[str, float]:
+    from vescale.dmodule import auto_sharding_plan, parallelize_experts, parallelize_module
+    from vescale.dmodule.experts import average_gradients
+
+    reference = tiny_moe(name)
+    model = copy.deepcopy(reference)
+    mesh = init_mesh(ep=2, tp=2)
+    plan = auto_sharding_plan(model).to_dict()
+    plan["parameter"] = {fqn: p for fqn, p in plan["parameter"].items() if "experts" not in fqn}
+    parallelize_module(model, mesh, plan, mesh_dim="tp")
+    parallelize_experts(model, mesh)
+    ids = global_batch()
+    local_ids = batch_shard(ids, mesh)
+    output = model(input_ids=local_ids, labels=local_ids)
+    output.loss.backward()
+    average_gradients(model, mesh)
+    reference_output = reference(input_ids=ids, labels=ids)
+    reference_output.loss.backward()
+    # The tp ranks of one ep rank hold the same loss; the global loss is the ep ranks' mean.
+    loss = output.loss.full_tensor().detach().clone()
+    torch.distributed.all_reduce(loss, group=mesh.get_group("ep"))
+    return {
+        "loss": relative_error(loss / 2, reference_output.loss),
+        "grad": max(gradient_errors(model, reference).values()),
+    }
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_experts_over_ep_with_tensor_parallel_attention(name):
+    """ep2 x tp2: dmodule's automatic plan on everything but the experts, experts over ep."""
+    results = run_on_ranks(_tensor_parallel_outside_experts, 4, (name,))
+    print(f"{name} ep2 x tp2: worst over ranks", {k: max(r[k] for r in results) for k in results[0]})
+    for rank, errors in enumerate(results):
+        assert max(errors.values()) <= TOLERANCE, (rank, errors)
+
+
+def _data_parallel_global_aux_loss(name: str) -> dict[str, float]:
+    from vescale.dmodule.experts import attach_global_aux_loss, average_gradients
+
+    reference = tiny_moe(name)
+    per_rank, global_statistic = copy.deepcopy(reference), copy.deepcopy(reference)
+    mesh = init_mesh(dp=4)
+    attach_global_aux_loss(global_statistic, mesh, batch_dims=("dp",))
+    ids = global_batch()
+    local_ids = batch_shard(ids, mesh)
+    reference_output = reference(input_ids=ids, labels=ids)
+    reference_output.loss.backward()
+    errors = {}
+    for label, model in (("per_rank", per_rank), ("global", global_statistic)):
+        output = model(input_ids=local_ids, labels=local_ids)
+        output.loss.backward()
+        average_gradients(model, mesh, batch_dims=("dp",))
+        errors[f"{label}_loss"] = relative_error(global_mean(output.loss), reference_output.loss)
+        errors[f"{label}_grad"] = max(gradient_errors(model, reference).values())
+    return errors
+
+
+@pytest.mark.parametrize("name", ["olmoe"])
+def test_data_parallel_load_balancing_loss_is_the_global_batch_one(name):
+    """dp4, experts replicated: with attach_global_aux_loss the loss and every gradient equal single
+    device; with transformers' per-rank statistic they do not (the test would see the difference)."""
+    results = run_on_ranks(_data_parallel_global_aux_loss, 4, (name,))
+    print(f"{name} dp4: worst over ranks", {k: max(r[k] for r in results) for k in results[0]})
+    for rank, errors in enumerate(results):
+        assert errors["global_loss"] <= TOLERANCE and errors["global_grad"] <= TOLERANCE, (rank, errors)
+        assert errors["per_rank_grad"] > 100 * TOLERANCE, (rank, errors)

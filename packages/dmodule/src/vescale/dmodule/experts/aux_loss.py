@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.hooks import RemovableHandle
 
 from vescale.dmodule.experts.errors import ExpertParallelError
@@ -70,6 +71,11 @@ class _AllReduceSum(torch.autograd.Function):
         return total, None
 
 
+def _single_device_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (a tensor-parallel model's router logits, its loss) as the tensor it stands for."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def global_load_balancing_loss(
     router_logits: Sequence[torch.Tensor],
     num_experts: int,
@@ -94,7 +100,7 @@ def global_load_balancing_loss(
     if attention_mask is not None:
         flat_mask = attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
     for layer_logits in router_logits:
-        probabilities = torch.softmax(layer_logits.to(device).float(), dim=-1)
+        probabilities = torch.softmax(_single_device_value(layer_logits).to(device).float(), dim=-1)
         selected = torch.topk(probabilities, top_k, dim=-1).indices.reshape(-1)
         row_weights = torch.ones(probabilities.shape[0], device=device) if flat_mask is None else flat_mask
         counts = counts.scatter_add(0, selected, row_weights.repeat_interleave(top_k))
@@ -160,9 +166,13 @@ def attach_global_aux_loss(
         total = global_load_balancing_loss(
             router_logits, module.num_experts, module.num_experts_per_tok, attention_mask, groups
         )
-        if output.get("loss") is not None:
-            correction = module.router_aux_loss_coef * (total - local).to(output["loss"].device)
-            output["loss"] = output["loss"] + correction
+        loss = output.get("loss")
+        if loss is not None:
+            correction = module.router_aux_loss_coef * (total - _single_device_value(local)).to(loss.device)
+            if isinstance(loss, DTensor):
+                replicate = [Replicate()] * loss.device_mesh.ndim
+                correction = DTensor.from_local(correction, loss.device_mesh, replicate, run_check=False)
+            output["loss"] = loss + correction
         output["aux_loss"] = total
         return output
 

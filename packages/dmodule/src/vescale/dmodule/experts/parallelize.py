@@ -111,6 +111,13 @@ def _expert_parallel_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     state: ExpertParallelState = getattr(self, EXPERT_PARALLEL_ATTRIBUTE)
+    # Under tensor parallelism (parallelize_module) the inputs are DTensors, replicated over tp:
+    # every tp rank dispatches the same tokens over its own ep group.
+    dtensor_input = hidden_states if isinstance(hidden_states, DTensor) else None
+    hidden_states, top_k_index, top_k_weights = (
+        tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        for tensor in (hidden_states, top_k_index, top_k_weights)
+    )
     output, state.dropped_pairs = dispatch_and_combine(
         hidden_states,
         top_k_index,
@@ -121,6 +128,9 @@ def _expert_parallel_forward(
         capacity_factor=state.capacity_factor,
         scope=state.fqn,
     )
+    if dtensor_input is not None:
+        mesh, placements = dtensor_input.device_mesh, dtensor_input.placements
+        output = DTensor.from_local(output, mesh, placements, run_check=False)
     return output
 
 
@@ -128,7 +138,8 @@ def _shard_parameter(param: nn.Parameter, mesh: DeviceMesh, ep_index: int, ep_di
     placements = [Shard(0) if index == ep_index else Replicate() for index in range(mesh.ndim)]
     ep_size, ep_rank = mesh.size(ep_index), mesh.get_local_rank(ep_dim)
     per_rank = param.shape[0] // ep_size
-    local = param.detach()[ep_rank * per_rank : (ep_rank + 1) * per_rank].clone()
+    full = param.to_local() if isinstance(param, DTensor) else param
+    local = full.detach()[ep_rank * per_rank : (ep_rank + 1) * per_rank].clone()
     sharded = DTensor.from_local(
         local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
     )
@@ -137,17 +148,23 @@ def _shard_parameter(param: nn.Parameter, mesh: DeviceMesh, ep_index: int, ep_di
     return new_param
 
 
-def _check_block(block: MoEBlock, experts: nn.Module, ep_size: int, ep_dim: str) -> None:
+def _check_block(block: MoEBlock, experts: nn.Module, mesh: DeviceMesh, ep_size: int, ep_dim: str) -> None:
     if block.num_experts % ep_size:
         raise ExpertParallelError(
             f"{block.experts_fqn}: {block.num_experts} experts do not split over {ep_dim}={ep_size} "
             f"(each rank must hold whole experts); use an {ep_dim} size that divides {block.num_experts}"
         )
     for name in block.expert_parameters:
-        if isinstance(experts._parameters[name], DTensor):
+        param = experts._parameters[name]
+        # parallelize_module (tensor parallelism outside the experts) leaves them Replicate: accepted.
+        if isinstance(param, DTensor) and (
+            param.device_mesh != mesh or not all(p.is_replicate() for p in param.placements)
+        ):
             raise ExpertParallelError(
-                f"{block.experts_fqn}.{name} is a DTensor already ({experts._parameters[name].placements}); "
-                "call parallelize_experts once, before any other sharding of the experts"
+                f"{block.experts_fqn}.{name} is a DTensor already ({param.placements} on "
+                f"{param.device_mesh}); "
+                "expert parallelism shards whole experts: leave the experts out of the tensor-parallel "
+                "plan, parallelize_module on the same mesh, then parallelize_experts once"
             )
 
 
@@ -192,7 +209,7 @@ def parallelize_experts(
         )
     for block in blocks:
         experts = model.get_submodule(block.experts_fqn)
-        _check_block(block, experts, ep_size, ep_dim)
+        _check_block(block, experts, mesh, ep_size, ep_dim)
         local_experts = LocalExperts(experts, use_grouped_mm=use_grouped_mm)
         for name in block.expert_parameters:
             experts._parameters[name] = _shard_parameter(experts._parameters[name], mesh, ep_index, ep_dim)

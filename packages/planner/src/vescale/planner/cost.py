@@ -17,7 +17,8 @@ From the per-op records of the meta-tensor forward (:mod:`vescale.planner.op_cos
 * **data_parallel**: what the runtime does not hide: the gradient all-reduce (ZeRO-0/1) or
   reduce-scatter (ZeRO-2) beyond the last micro-batch's backward it overlaps with, plus
   ZeRO-1/2's parameter all-gather after the step; ZeRO-3's per-block all-gathers and
-  reduce-scatters (every micro-batch) beyond the block compute they are prefetched under;
+  reduce-scatters beyond the block compute they are prefetched under (every micro-batch;
+  under a pipeline once per step, as FSDP2 keeps a stage gathered across micro-batches);
 * **optimizer**: AdamW reads and writes ~28 bytes per local fp32 element (32 with bf16
   masters), memory-bound.
 
@@ -330,12 +331,15 @@ def _data_parallel_seconds(
         if zero >= 1:
             exposed += all_gather_seconds(link, parameter_bytes)
         return exposed
+    # Under a pipeline FSDP2 keeps a stage's parameters gathered across its micro-batches and
+    # reduce-scatters once, at the last backward (torch.distributed.pipelining's data-parallel mode).
+    rounds = 1 if choices.pipeline_parallel_size > 1 else microbatches
     exposed = 0.0
     for part in block_members:
         gather = all_gather_seconds(link, part.parameter_elements * grad_bytes)
-        exposed += max(0.0, gather - part.forward) + max(0.0, 2 * gather - part.backward)
+        backward_traffic = gather if rounds == 1 else 2 * gather
+        exposed += max(0.0, gather - part.forward) + max(0.0, backward_traffic - part.backward)
     outside = sum(p.parameter_elements for p in members) - sum(p.parameter_elements for p in block_members)
-    first_gather = all_gather_seconds(
-        link, (outside + max((p.parameter_elements for p in block_members), default=0.0)) * grad_bytes
-    )
-    return microbatches * (exposed + 2 * first_gather)
+    largest_block = max((p.parameter_elements for p in block_members), default=0.0)
+    first_gather = all_gather_seconds(link, (outside + largest_block) * grad_bytes)
+    return rounds * (exposed + 2 * first_gather)

@@ -77,6 +77,20 @@ def _weak_gradient_hook(ddp: DDP) -> Callable[[torch.Tensor], None]:
     return on_gradient
 
 
+def _weak_forward_pre_hook(ddp: DDP) -> Callable[..., None]:
+    """``ddp._point_grads_at_buckets`` through a weak reference, outside compiled code (it sets ``.grad``)."""
+    reference = weakref.ref(ddp)
+
+    @torch.compiler.disable
+    def before_forward(module: nn.Module, args: tuple) -> None:
+        owner = reference()
+        # Only before a forward that records a graph (not under no_grad, e.g. evaluation).
+        if owner is not None and torch.is_grad_enabled():
+            owner._point_grads_at_buckets()
+
+    return before_forward
+
+
 def data_parallel_of(module_or_param: nn.Module | torch.Tensor) -> DDP | None:
     """The DDP applied to a module, or to the module that owns a parameter; ``None`` if none."""
     return getattr(module_or_param, DATA_PARALLEL_ATTRIBUTE, None)
@@ -187,6 +201,7 @@ class DDP:
         self._hook_handles = [
             param.register_post_accumulate_grad_hook(on_gradient) for _, param in named_parameters
         ]
+        self._hook_handles.append(module.register_forward_pre_hook(_weak_forward_pre_hook(self)))
         setattr(module, DATA_PARALLEL_ATTRIBUTE, self)
         for _, param in named_parameters:
             setattr(param, DATA_PARALLEL_ATTRIBUTE, self)
@@ -263,6 +278,37 @@ class DDP:
         for _, slot in self.slots():
             delattr(slot.param, DATA_PARALLEL_ATTRIBUTE)
         delattr(self.module, DATA_PARALLEL_ATTRIBUTE)
+
+    @torch.no_grad()
+    def _point_grads_at_buckets(self) -> None:
+        """Before a forward that records a graph: plain parameters without a gradient get their zeroed
+        bucket range as ``.grad``, so that autograd accumulates into the bucket in place and the
+        gradient hook copies nothing (torch DDP's ``gradient_as_bucket_view``). Without it every
+        step after ``zero_grad()`` allocated each gradient afresh and copied it into the bucket.
+
+        DTensor parameters (their gradient may arrive ``Partial``), other dtypes than the
+        buckets' and ZeRO-2's transient buffers keep the copying path.
+        """
+        if self.zero_stage == 2:
+            return
+        for bucket in self.buckets:
+            slots = [
+                slot
+                for slot in bucket.slots
+                if slot.param.grad is None
+                and slot.param.requires_grad
+                and not isinstance(slot.param, DTensor)
+                and self._grad_is_bucket_view(slot.param)
+            ]
+            if not slots:
+                continue
+            if len(slots) == len(bucket.slots):
+                bucket.allocate_grad_buffer().zero_()  # one fill, not one per parameter
+            else:
+                for slot in slots:
+                    bucket.grad_view(slot).zero_()
+            for slot in slots:
+                slot.param.grad = bucket.grad_view(slot)
 
     def _grad_is_bucket_view(self, param: torch.Tensor) -> bool:
         return param.dtype == self.grad_dtype

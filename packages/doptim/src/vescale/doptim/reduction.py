@@ -146,6 +146,11 @@ def start_reduction(
                         deterministic=False, grad_chunk=chunk).wait()
     """
     received = None
+    if dist.get_world_size(group) == 1:
+        # One rank: the average is the bucket itself; no collective, no division.
+        if result == "reduce_scatter":
+            grad_chunk.copy_(bucket.grad_buffer)
+        return BucketReduction(bucket, group, result, deterministic, None, None, grad_chunk, done=True)
     if deterministic:
         received = torch.empty_like(bucket.grad_buffer)
         work = dist.all_to_all_single(received, bucket.grad_buffer, group=group, async_op=True)

@@ -24,7 +24,10 @@ steady state). A prepared run: ``prepare_async_save`` at start-up, then the firs
 ``async_save`` runs with a caching stager (on CPU ``DefaultStager`` without pinned or shared
 memory, whose ``StateDictStager`` keeps each storage's copy; with an accelerator
 ``BlockingAsyncStager(cache_staged_state_dict=True)``), so its second save copies into the
-first one's staging tensors, as ours does.
+first one's staging tensors, as ours does. A deferred run: the first async save with
+``defer_copies=True`` (parameters copied on the saving thread, optimizer steps wait for them),
+timed as its ``save()`` call and as the call plus an immediate wait for the copies (the worst
+case: no forward/backward between the save and the next optimizer step).
 Two floor rows show what staging must cost on this machine: copying the rank's tensors into
 fresh memory (the cold path's copy), and again into the same, now resident, memory (the
 prepared and steady path's copy). The raw rate is the better of two raw writes. The RSS
@@ -194,11 +197,38 @@ def prepared_async_on_ranks(root: str, count: int, numel: int) -> dict[str, floa
     return results
 
 
+def deferred_async_on_ranks(root: str, count: int, numel: int) -> dict[str, float]:
+    """In fresh rank processes: the first async save with ``defer_copies=True`` (the saving thread
+    copies the parameters), its wait for the copies right after (the worst case: an optimizer step
+    at once, no forward/backward to overlap), then a sync save."""
+    from vescale.dcheckpoint.deferred_staging import wait_for_deferred_copies
+
+    root_path = Path(root)
+    holder = _Holder(_state(count, numel, ["S(0)"]))
+    pending = {}
+    results = {
+        "vescale_deferred_s": _timed(
+            lambda: pending.__setitem__(
+                "save",
+                save(root_path / "vescale-deferred", {"model": holder}, async_save=True, defer_copies=True),
+            )
+        )
+    }
+    results["vescale_deferred_wait_s"] = results["vescale_deferred_s"] + _timed(wait_for_deferred_copies)
+    _timed(lambda: pending["save"].result())
+    results["vescale_sync_s"] = _timed(lambda: save(root_path / "vescale-sync", {"model": holder}))
+    return results
+
+
 def async_blocking(scratch: Path, repeats: int, numel: int) -> dict[str, list[float]]:
     """Each async measure over its run's sync save (and the floor copies), one value per run."""
     ratios: dict[str, list[float]] = {"load": []}
     for repeat in range(repeats):
-        for kind, body in (("cold", cold_async_on_ranks), ("prepared", prepared_async_on_ranks)):
+        for kind, body in (
+            ("cold", cold_async_on_ranks),
+            ("prepared", prepared_async_on_ranks),
+            ("deferred", deferred_async_on_ranks),
+        ):
             shutdown_rank_pool()  # fresh ranks: no staging memory left from an earlier run
             root = scratch / f"async-{kind}-{repeat}"
             root.mkdir()
@@ -237,6 +267,8 @@ def print_async_rows(ratios: dict[str, list[float]], mib: int) -> None:
         ("async, first save of a process (cold)", "cold_s"),
         ("async, first save after prepare_async_save", "prepared_s"),
         ("async, second save (steady)", "steady_s"),
+        ("async, first save with defer_copies: save() call", "deferred_s"),
+        ("async, first save with defer_copies: call + waiting for the copies at once", "deferred_wait_s"),
     ):
         print(_row(name, cell(f"vescale_{key}"), cell(f"dcp_{key}"), "<= 10%"))
     print(_row("prepare_async_save (s)", seconds("prepare_s"), "-", ""))
@@ -463,6 +495,7 @@ def async_rows(ratios: dict[str, list[float]]) -> list[dict]:
         ("async save blocking / sync save, first of a process", "cold_s"),
         ("async save blocking / sync save, first after prepare_async_save", "prepared_s"),
         ("async save blocking / sync save, steady", "steady_s"),
+        ("async save blocking / sync save, first with defer_copies (save call)", "deferred_s"),
     ):
         ours = ratios.get(f"vescale_{key}")
         if not ours:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -140,3 +141,69 @@ def test_a_process_that_exits_without_waiting_still_commits_its_async_save(tmp_p
     load(tmp_path, {"model": loaded})
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, expected.state_dict()[name]), name
+
+
+class _WithBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(256, 256)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        self.seen.add_(1)  # a forward changes its buffers, unlike its parameters
+        return self.linear(inputs)
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.SGD, torch.optim.AdamW])
+def test_deferred_copies_hold_the_state_of_the_save_while_the_next_step_runs(
+    tmp_path, optimizer_class, monkeypatch
+):
+    # defer_copies: the next forward/backward runs while the saving thread copies; the optimizer
+    # step waits for the copies, so the checkpoint holds parameters, optimizer state and buffers
+    # exactly as they were when save() was called (bitwise: saving and loading move bytes). The
+    # saving thread starts its copies late, so that a step that did not wait would change them.
+    from vescale.dcheckpoint import deferred_staging
+
+    original_run = deferred_staging.DeferredCopies.run
+
+    def late_run(self) -> None:
+        time.sleep(0.3)
+        original_run(self)
+
+    monkeypatch.setattr(deferred_staging.DeferredCopies, "run", late_run)
+    torch.manual_seed(0)
+    model = _WithBuffer()
+    optimizer = optimizer_class(model.parameters(), lr=0.1)
+    inputs = torch.randn(8, 256)
+    model(inputs).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    expected_model = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    expected_state = {
+        (index, key): value.clone()
+        for index, state in enumerate(optimizer.state.values())
+        for key, value in state.items()
+    }
+    state = {"model": model, "optimizer": optimizer}
+    pending = save(tmp_path / "step-1", state, async_save=True, defer_copies=True)
+    for _ in range(2):  # steps that change every saved tensor, parameters first thing
+        model(inputs).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    pending.result()
+    loaded = _WithBuffer()
+    loaded_optimizer = optimizer_class(loaded.parameters(), lr=0.0)
+    load(tmp_path, {"model": loaded, "optimizer": loaded_optimizer})
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, expected_model[name]), name
+    for index, state in enumerate(loaded_optimizer.state.values()):
+        for key, value in state.items():
+            assert torch.equal(value, expected_state[(index, key)]), key
+    assert not torch.equal(model.linear.weight, loaded.linear.weight)  # training did go on
+
+
+def test_defer_copies_needs_an_async_save(tmp_path):
+    from vescale.dcheckpoint.errors import CheckpointUsageError
+
+    with pytest.raises(CheckpointUsageError, match="async_save=True"):
+        save(tmp_path / "step-1", {"model": _model(1)}, defer_copies=True)

@@ -62,7 +62,12 @@ class LoadResult:
 
 
 def save(
-    path: str | os.PathLike, state: dict[str, Any], *, async_save: bool = False, keep_last: int | None = None
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    *,
+    async_save: bool = False,
+    keep_last: int | None = None,
+    defer_copies: bool = False,
 ) -> SaveResult | AsyncSave:
     """Save ``state`` to the new checkpoint directory ``path``, atomically, from every rank.
 
@@ -70,20 +75,30 @@ def save(
     global shape and dtype, and each box is written once. The parent directory gets a
     ``latest`` pointer; ``keep_last=k`` deletes all but the k newest checkpoints there.
     With ``async_save=True`` it returns an :class:`AsyncSave` once this rank's tensors are
-    copied; later changes to the state do not reach the checkpoint.
+    copied; later changes to the state do not reach the checkpoint. ``defer_copies=True`` (async
+    only) returns before the parameters and optimizer state are copied: the saving thread copies
+    them while the next forward and backward run, and every optimizer ``step()`` waits for the
+    copies, so the first async save of a process does not block on faulting in its staging
+    memory (:mod:`vescale.dcheckpoint.deferred_staging`); until ``step()`` returns, change
+    parameters and optimizer state only through optimizer steps.
 
     Example::
 
         save("ckpt/step-000100", {"model": model, "optimizer": optimizer, "step": 100})
         pending = save("ckpt/step-000200", {"model": model, "step": 200}, async_save=True, keep_last=2)
+        save("ckpt/step-000300", {"model": model, "optimizer": optimizer}, async_save=True, defer_copies=True)
     """
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise CheckpointUsageError(
             f"keep_last={keep_last!r}: keep at least the checkpoint just saved (keep_last >= 1), or pass None"
         )
+    if defer_copies and not async_save:
+        raise CheckpointUsageError(
+            "defer_copies=True defers the copies of an async save; pass async_save=True too, or drop it"
+        )
     wait_for_pending_save()
     with gc_paused():
-        staged = stage_save(Path(path), state, keep_last, copy=async_save)
+        staged = stage_save(Path(path), state, keep_last, copy=async_save, defer_copies=defer_copies)
         if async_save:
             return start_async_save(staged)
         return write_and_commit(staged)

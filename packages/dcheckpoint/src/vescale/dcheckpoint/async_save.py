@@ -1,7 +1,9 @@
 """Saves that return once the state is staged, writing and committing on a background thread.
 
 The caller's thread blocks only for staging (planning and copying this rank's pieces to
-CPU); the thread checks, writes, fsyncs and commits. Its collectives run on a process group
+CPU, except parameters and optimizer state, which the thread copies first while optimizer
+steps wait for it: :mod:`vescale.dcheckpoint.deferred_staging`); the thread checks, writes,
+fsyncs and commits. Its collectives run on a process group
 of their own, created at the first async save (or ``prepare_async_save``) of each default
 group, which all ranks reach together, so they never interleave with the training loop's
 collectives on the default group. At most one save is in flight: a new save or a load first
@@ -51,6 +53,8 @@ class AsyncSave:
 
     def _run(self, staged: StagedSave, group: dist.ProcessGroup | None) -> None:
         try:
+            if staged.deferred is not None:
+                staged.deferred.run()
             self._result = write_and_commit(staged, group)
         except BaseException as error:  # handed to the caller by result()
             self._error = error

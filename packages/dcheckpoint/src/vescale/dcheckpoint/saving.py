@@ -2,7 +2,9 @@
 
 Staging does everything that reads the live state: flatten it, plan who writes what, and
 take this rank's pieces (copies for an async save, so that later training steps cannot
-change them). Planning agrees with the other ranks on the tensors each holds (:mod:`rank_sets`: one digest
+change them; with ``defer_copies`` parameters and optimizer state are copied by the saving
+thread before it writes, and optimizer steps wait for that, see :mod:`deferred_staging`).
+Planning agrees with the other ranks on the tensors each holds (:mod:`rank_sets`: one digest
 exchange, or the union of per-rank sets such as pipeline stages'). Writing and committing only
 touch the staged pieces and files: rank 0 prepares the directory, each
 rank writes and fsyncs its shard, the ranks exchange their file records, rank 0 writes the
@@ -29,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from vescale.dcheckpoint import atomic
 from vescale.dcheckpoint._collectives import all_gather_bytes, rank_and_world_size
+from vescale.dcheckpoint.deferred_staging import DeferredCopies, deferrable_names
 from vescale.dcheckpoint.errors import CheckpointError
 from vescale.dcheckpoint.index import INDEX_NAME, chunk_key, encode_index, shard_file_name
 from vescale.dcheckpoint.layout import TensorLayout
@@ -69,6 +72,8 @@ class StagedSave:
     merge_objects: bool
     rng: dict[str, Any] | None
     keep_last: int | None
+    # Async saves: the parameter and optimizer-state copies the saving thread takes before writing.
+    deferred: DeferredCopies | None = None
 
 
 def _plan_save(
@@ -91,8 +96,11 @@ def _entries(description: dict[str, list]) -> dict[str, dict[str, Any]]:
     }
 
 
-def stage_save(final: Path, state: dict[str, Any], keep_last: int | None, copy: bool) -> StagedSave:
-    """Check ``state``, plan the save and take this rank's pieces.
+def stage_save(
+    final: Path, state: dict[str, Any], keep_last: int | None, copy: bool, defer_copies: bool = False
+) -> StagedSave:
+    """Check ``state``, plan the save and take this rank's pieces (``defer_copies``: leave the
+    parameters' and optimizer state's copies to the saving thread, see :mod:`deferred_staging`).
 
     Example::
 
@@ -111,11 +119,16 @@ def stage_save(final: Path, state: dict[str, Any], keep_last: int | None, copy: 
     plain = frozenset(name for name, tensor in tensors.items() if not isinstance(tensor, DTensor))
     plan, entries, per_rank = _plan_save(layouts, dtypes, plain)
     mine = [chunk for chunk in plan if chunk.writer_rank == rank]
-    pieces = stage_pieces(mine, locals_by_name, layouts, rank, copy=copy)
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+    deferred = deferrable_names(state, tensors) if copy and defer_copies else frozenset()
+    pieces = stage_pieces(mine, locals_by_name, layouts, rank, copy=copy, deferred=deferred, pending=pending)
     rng = RNGState.capture() if any(entry["kind"] == RNG for entry in objects.values()) else None
     # JSON now, so that later changes to the live objects cannot reach an async save.
     objects = json.loads(json.dumps(objects))
-    return StagedSave(final, rank, world_size, plan, mine, pieces, entries, objects, per_rank, rng, keep_last)
+    copies = DeferredCopies(pending) if pending else None
+    return StagedSave(
+        final, rank, world_size, plan, mine, pieces, entries, objects, per_rank, rng, keep_last, copies
+    )
 
 
 def prepare_staging(state: dict[str, Any]) -> int:

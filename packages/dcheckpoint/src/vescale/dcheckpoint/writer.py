@@ -153,9 +153,12 @@ def stage_pieces(
     layouts: Mapping[str, TensorLayout],
     rank: int,
     copy: bool,
+    deferred: frozenset[str] = frozenset(),
+    pending: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> list[torch.Tensor]:
     """Each chunk's values (cut from this rank's local tensors) as a contiguous CPU tensor;
-    ``copy`` snapshots them (for async saves).
+    ``copy`` snapshots them (for async saves). The copies of chunks of the tensors named in
+    ``deferred`` are not taken: their ``(piece, source)`` pairs are appended to ``pending``.
 
     Snapshots live in one staging buffer that the next async save reuses (callers wait for the
     previous save first), so steady-state saves neither allocate nor fault in new pages.
@@ -174,10 +177,13 @@ def stage_pieces(
         total += -(-source.numel() * source.element_size() // _STAGING_ALIGNMENT) * _STAGING_ALIGNMENT
     buffer = _staging_buffer(total)
     pieces = []
-    for source, offset in zip(sources, offsets, strict=True):
+    for chunk, source, offset in zip(chunks, sources, offsets, strict=True):
         slot = buffer[offset : offset + source.numel() * source.element_size()]
         piece = slot.view(source.dtype).view(source.shape)
-        piece.copy_(source)
+        if pending is not None and chunk.name in deferred:
+            pending.append((piece, source))
+        else:
+            piece.copy_(source)
         pieces.append(piece)
     return pieces
 

@@ -197,3 +197,21 @@ def test_global_aux_loss_equals_transformers_on_one_process(name, masked):
     mask = (torch.rand(3, 4, generator=generator) > 0.3).long() if masked else None
     ours = global_load_balancing_loss(logits, 8, 2, mask)
     assert relative_error(ours, hf_function(logits, 8, 2, mask)) <= 1e-6
+
+
+def test_float32_router_in_a_bfloat16_model():
+    """route_in_float32: float32 logits and top-k, hooks run once, gradients reach the bf16 weight."""
+    from vescale.dmodule.experts import route_in_float32
+
+    model = tiny_moe("mixtral").to(torch.bfloat16)
+    router = model.model.layers[0].mlp.gate
+    route_in_float32(router)
+    calls = []
+    router.register_forward_hook(lambda *_: calls.append(1))
+    output = model(input_ids=global_batch()[:2], labels=global_batch()[:2])
+    output.loss.backward()
+    assert len(calls) == 1 and output.router_logits[0].dtype == torch.float32
+    assert router.weight.dtype == router.weight.grad.dtype == torch.bfloat16
+    hidden = torch.randn(5, 32, dtype=torch.bfloat16)
+    logits, _, _ = router(hidden)
+    assert torch.equal(logits, torch.nn.functional.linear(hidden.float(), router.weight.float()))

@@ -28,6 +28,7 @@ from vescale.dmodule.experts.parallelize import (
     is_expert_parameter,
     parallelize_experts,
 )
+from vescale.dmodule.experts.router_precision import route_in_float32
 
 __all__ = [
     "ExpertParallelError",
@@ -50,4 +51,5 @@ __all__ = [
     "is_expert_parameter",
     "parallelize_experts",
     "plan_routes",
+    "route_in_float32",
 ]

@@ -6,6 +6,7 @@ module classes, FQNs and router; on its experts module instance:
 * every expert parameter (3-D weights, 2-D biases) becomes a DTensor ``Shard(0)`` on
   ``ep_dim`` and ``Replicate`` on every other mesh dim: each rank holds E/ep whole experts,
   taken from the full parameter it already has (no communication, bitwise the same slice);
+* the router computes its logits, scores and top-k in float32 (:mod:`.router_precision`);
 * ``forward`` (an instance attribute; the ``transformers`` class is untouched) dispatches the
   tokens to the experts' owners and combines the outputs (:mod:`.dispatch`), with the
   capacity factor given, and keeps the last count of dropped pairs in ``dropped_pairs``.
@@ -40,6 +41,7 @@ from vescale.dmodule.experts.detect import MoEBlock, find_moe_blocks
 from vescale.dmodule.experts.dispatch import dispatch_and_combine
 from vescale.dmodule.experts.errors import ExpertParallelError
 from vescale.dmodule.experts.local_experts import LocalExperts
+from vescale.dmodule.experts.router_precision import route_in_float32
 
 __all__ = [
     "BATCH_DIM_NAMES",
@@ -176,13 +178,15 @@ def parallelize_experts(
     capacity_factor: float | None = None,
     batch_dims: Sequence[str] | None = None,
     use_grouped_mm: bool | None = None,
+    float32_router: bool = True,
 ) -> nn.Module:
     """Shard ``model``'s experts over ``mesh[ep_dim]`` and dispatch tokens to them (in place).
 
     ``capacity_factor`` (default dropless) caps each source rank's pairs per expert at
     ``ceil(factor · tokens · k / E)``; ``batch_dims`` (default :func:`batch_dims_of`) are the
     dims the global batch is split over, for the global load-balancing loss;
-    ``use_grouped_mm=False`` forces one matmul per local expert.
+    ``use_grouped_mm=False`` forces one matmul per local expert; ``float32_router`` computes the
+    routers' logits, scores and top-k in float32 whatever the model's dtype (:mod:`.router_precision`).
 
     Example::
 
@@ -218,6 +222,8 @@ def parallelize_experts(
         )
         setattr(experts, EXPERT_PARALLEL_ATTRIBUTE, state)
         experts.forward = types.MethodType(_expert_parallel_forward, experts)
+        if float32_router and block.router_fqn is not None:
+            route_in_float32(model.get_submodule(block.router_fqn))
     if batch_dims is None:
         batch_dims = batch_dims_of(mesh, ep_dim)
     attach_global_aux_loss(model, mesh, batch_dims=batch_dims)

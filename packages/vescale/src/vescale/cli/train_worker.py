@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -50,17 +51,39 @@ from vescale.doptim import clip_grad_norm_
 __all__ = ["main", "train"]
 
 
-def _init_process_group() -> tuple[torch.device, str]:
+def _attempt_store(attempt: int) -> dist.Store:
+    """The launcher's TCP store, under a prefix of its own for this attempt.
+
+    torchrun's agent keeps one store for the whole job (static rendezvous, and c10d's shared store),
+    and its workers join it without a per-attempt prefix: a restarted rank would read the process
+    group addresses the previous attempt's ranks left there and fail to connect to them.
+    """
+    rank = int(os.environ["RANK"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=not agent_hosts_store and rank == 0,
+        timeout=datetime.timedelta(minutes=30),
+    )
+    return dist.PrefixStore(f"vescale.train/attempt-{attempt}", store)
+
+
+def _init_process_group(attempt: int) -> tuple[torch.device, str]:
     """Join the launcher's process group: NCCL on this rank's GPU when there is one, else gloo on CPU.
 
     Returns the device the batches go to and a description for the header line.
     """
+    group = dict(
+        store=_attempt_store(attempt), rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
+    )
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl", **group)
         return device, f"nccl on {torch.cuda.get_device_name()}"
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", **group)
     return torch.device("cpu"), f"gloo on CPU, {torch.get_num_threads()} thread(s) per rank"
 
 
@@ -154,8 +177,9 @@ def train(options: TrainOptions) -> None:
     import vescale
     from vescale.dcheckpoint import RNGState
 
-    device, backend = _init_process_group()
-    rank, attempt = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + 1
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + 1
+    device, backend = _init_process_group(attempt)
+    rank = dist.get_rank()
     is_rank0 = rank == 0
     source = resolve_model(options.model)
     weights = pretrained_weights(options.model)
@@ -202,6 +226,8 @@ def train(options: TrainOptions) -> None:
         last = f", last loss {history['losses'][-1]:.4f}" if history["losses"] else ""
         where = f"attempt {attempt}: " if attempt > 1 else ""
         print(f"{where}resumed from {checkpoint_dir} at step {first_step}{last}", flush=True)
+    elif is_rank0 and attempt > 1:
+        print(f"attempt {attempt}: no checkpoint was complete yet; starting again at step 0", flush=True)
     peak, _ = peak_flops(device) if is_rank0 else (None, "")
     saver = PeriodicCheckpoints(checkpoint_dir, options.save_every, options.keep_last, options.end_step)
     batches = iter(loader)

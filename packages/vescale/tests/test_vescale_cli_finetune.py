@@ -1,0 +1,430 @@
+"""``vescale train`` as a fine-tuning job: a pretrained Hugging Face directory (weights + BPE tokenizer),
+a JSONL corpus, 4 ranks, periodic async checkpoints, a held-out split, metrics.jsonl, TensorBoard, and
+``checkpoint export-hf`` back to ``from_pretrained`` + ``AutoTokenizer`` + ``generate``.
+
+The pretrained model is made here as a user would: a tiny Llama (``LlamaConfig`` defaults but its
+sizes) trained a few steps in one process and saved with ``save_pretrained``, beside a BPE
+``tokenizer.json`` trained with ``tokenizers`` on the same kind of text. The reference for the first
+step is ``from_pretrained(DIR)`` in one process on the run's first global batch, rebuilt here in plain
+code from the tokenizer (documents encoded, EOS appended, packed, chunks in a seeded order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from pydoc_data.topics import topics
+
+import pytest
+import torch
+import transformers
+
+from vescale.dtensor.testing._rank_pool import _machine_wide_rank_lock
+
+VESCALE = Path(sys.executable).parent / "vescale"
+ENVIRONMENT = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
+GLOBAL_BATCH, SEQUENCE, STEPS, SAVE_EVERY = 8, 64, 24, 10
+# The run's batch shape and the bitwise-reproducible gradient sums (rank order).
+CONSTRAINTS = {
+    "global_batch_size": GLOBAL_BATCH,
+    "sequence_length": SEQUENCE,
+    "data_parallel.deterministic": True,
+}
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=172,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+def documents() -> list[str]:
+    return [topics[name] for name in sorted(topics)]
+
+
+def train_tokenizer(path: Path) -> transformers.PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(documents()[:60], trainer)
+    from tokenizers import decoders
+
+    tokenizer.decoder = decoders.ByteLevel()
+    wrapped = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    wrapped.save_pretrained(path)
+    return wrapped
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """A tiny Llama trained 5 steps in one process, saved with save_pretrained, with its tokenizer."""
+    directory = tmp_path_factory.mktemp("pretrained") / "tiny-llama-bpe"
+    tokenizer = train_tokenizer(directory)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), **TINY)
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.tensor(tokenizer(documents()[0])["input_ids"][: 4 * SEQUENCE]).view(4, SEQUENCE)
+    for _ in range(5):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "topics.jsonl"
+    path.write_text(
+        "".join(json.dumps({"text": text, "id": index}) + "\n" for index, text in enumerate(documents()))
+    )
+    return path
+
+
+def first_global_batch(pretrained: Path, corpus: Path) -> torch.Tensor:
+    """The run's first global batch, rebuilt without the CLI: encode + EOS, pack, seeded chunk order."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(pretrained / "tokenizer.json"))
+    eos = tokenizer.token_to_id("</s>")
+    ids: list[int] = []
+    for line in corpus.read_text().splitlines():
+        ids += [*tokenizer.encode(json.loads(line)["text"], add_special_tokens=False).ids, eos]
+    tokens = torch.tensor(ids)
+    order = torch.randperm(len(tokens) // SEQUENCE, generator=torch.Generator().manual_seed(0))
+    return torch.stack([tokens[chunk * SEQUENCE : (chunk + 1) * SEQUENCE] for chunk in order[:GLOBAL_BATCH]])
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_train(*arguments: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    with _machine_wide_rank_lock():
+        return subprocess.run(
+            [str(VESCALE), "train", *arguments],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=ENVIRONMENT,
+            check=False,
+        )
+
+
+def finetune_arguments(pretrained: Path, corpus: Path, run_dir: Path) -> list[str]:
+    """The fine-tuning job the restart tests repeat: 4 ranks, checkpoints every 10 steps, deterministic."""
+    return [
+        "--model", str(pretrained), "--data", str(corpus), "--nproc", "4", "--steps", str(STEPS),
+        "--save-every", str(SAVE_EVERY), "--keep-last", "2", "--log-every", "1",
+        "--constraints", json.dumps(CONSTRAINTS), "--checkpoint-dir", str(run_dir),
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def finetuned(pretrained, corpus, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    run_dir = tmp_path_factory.mktemp("finetune") / "run"
+    completed = run_train(
+        *finetune_arguments(pretrained, corpus, run_dir),
+        "--eval-every", "12", "--eval-fraction", "0.1", "--tensorboard", str(run_dir.parent / "tb"),
+    )  # fmt: skip
+    return run_dir, completed
+
+
+def test_first_step_loss_is_from_pretrained_s_and_eval_is_reported(pretrained, corpus, finetuned):
+    run_dir, completed = finetuned
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert f"weights: {pretrained}" in completed.stdout
+    losses = json.loads((run_dir / "losses.json").read_text())["losses"]
+    assert len(losses) == STEPS
+    model = transformers.AutoModelForCausalLM.from_pretrained(pretrained)
+    batch = first_global_batch(pretrained, corpus)
+    with torch.no_grad():
+        reference = float(model(input_ids=batch, labels=batch).loss)
+    # 4 ranks' float32 losses summed in another order than one process's mean: ~1e-7 apart.
+    assert abs(losses[0] - reference) / reference < 1e-5, (losses[0], reference)
+    # Not the preset's random initialisation: the pretrained weights made this loss.
+    torch.manual_seed(0)
+    with torch.no_grad():
+        fresh = float(transformers.LlamaForCausalLM(model.config)(input_ids=batch, labels=batch).loss)
+    assert abs(fresh - reference) > 1e-3, (fresh, reference)
+    entries = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [entry for entry in entries if "eval_loss" in entry]
+    assert [entry["step"] for entry in evals] == [12, 24]
+    for entry in evals:
+        assert entry["eval_perplexity"] == pytest.approx(math.exp(entry["eval_loss"]))
+    assert f"step     12  eval loss {evals[0]['eval_loss']:.4f}" in completed.stdout
+    # The .jsonl was tokenized once, by the launcher, into the cache beside it.
+    assert len(list((corpus.parent / ".vescale-cache").glob("topics.jsonl.*.pt"))) == 1
+
+
+def test_metrics_jsonl_and_tensorboard_carry_loss_tokens_per_s_and_mfu(finetuned):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, completed = finetuned
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    entries = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [entry for entry in entries if "loss" in entry]
+    assert [entry["step"] for entry in steps] == list(range(1, STEPS + 1))  # --log-every 1
+    for entry in steps:
+        assert set(entry) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "max_memory_bytes"}
+        assert entry["tokens_per_s"] > 0 and 0 < entry["mfu"] < 1 and entry["max_memory_bytes"] > 2**20
+        assert entry["grad_norm"] > 0
+    losses = json.loads((run_dir / "losses.json").read_text())["losses"]
+    assert [entry["loss"] for entry in steps] == losses
+    assert "MFU" in completed.stdout
+    events = EventAccumulator(str(run_dir.parent / "tb"))
+    events.Reload()
+    for tag in ("train/loss", "train/tokens_per_s", "train/mfu", "train/lr", "train/grad_norm", "eval/loss"):
+        assert tag in events.Tags()["scalars"], (tag, events.Tags())
+    logged = {event.step: event.value for event in events.Scalars("train/loss")}
+    assert sorted(logged) == list(range(1, STEPS + 1))
+    assert logged[STEPS] == pytest.approx(losses[-1], rel=1e-6)  # TensorBoard stores float32
+
+
+def test_periodic_checkpoints_keep_the_last_two_and_latest(finetuned):
+    run_dir, completed = finetuned
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert sorted(path.name for path in run_dir.glob("step-*")) == ["step-000020", "step-000024"]
+    assert (run_dir / "latest").read_text().strip() == "step-000024"
+    assert not list(run_dir.glob(".step-*"))  # no save left half-written
+
+
+def test_export_hf_gives_from_pretrained_a_tokenizer_and_generate(finetuned, tmp_path):
+    run_dir, completed = finetuned
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    out = tmp_path / "hf"
+    exported = subprocess.run(
+        [str(VESCALE), "checkpoint", "export-hf", str(run_dir), str(out)],
+        capture_output=True,
+        text=True,
+        env=ENVIRONMENT,
+        timeout=120,
+        check=False,
+    )
+    assert exported.returncode == 0, exported.stderr
+    assert "tokenizer.json" in exported.stdout
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer("The for statement", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert generated.shape == (1, prompt["input_ids"].shape[1] + 8)
+    assert isinstance(tokenizer.decode(generated[0]), str)
+
+
+# --- surviving a dead or hung rank: the same job, one worker SIGKILLed or SIGSTOPped ---------------
+
+
+def worker_pids(run_dir: Path) -> dict[int, int]:
+    """The live train_worker processes of the run in ``run_dir``, by global rank (from their environment)."""
+    pids = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            environment = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if "vescale.cli.train_worker" in command and str(run_dir) in command:
+            for variable in environment:
+                if variable.startswith(b"RANK="):
+                    pids[int(variable[5:])] = int(entry.name)
+    return pids
+
+
+class Job:
+    """``vescale train`` started in the background (one or more "nodes"), its stdout read line by line."""
+
+    def __init__(self, commands: list[list[str]], run_dir: Path) -> None:
+        self.run_dir = run_dir
+        environment = {**ENVIRONMENT, "PYTHONUNBUFFERED": "1"}
+        self.processes = [
+            subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment
+            )
+            for command in commands
+        ]
+        self.lines: list[str] = []
+        self.outputs: list[tuple[str, str]] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(process,), daemon=True) for process in self.processes
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Whatever happened in the test, leave no launcher or rank of this job running."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()  # the agent stops its ranks on SIGTERM
+        for process in self.processes:
+            try:
+                process.wait(timeout=45)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        for pid in worker_pids(self.run_dir).values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _read(self, process: subprocess.Popen) -> None:
+        for line in process.stdout:
+            self.lines.append(line)
+
+    def last_step(self) -> int:
+        """The last step a "step N  loss" line reported so far."""
+        steps = [int(line.split()[1]) for line in list(self.lines) if re.match(r"step +\d+  loss", line)]
+        return steps[-1] if steps else 0
+
+    def wait(self, timeout: float) -> tuple[list[int], str, str]:
+        codes = [process.wait(timeout=timeout) for process in self.processes]
+        for reader in self._readers:
+            reader.join(timeout=10)
+        stderr = "".join(process.stderr.read() for process in self.processes)
+        return codes, "".join(self.lines), stderr
+
+
+def wait_for(job: Job, condition, timeout: float, poll: float = 0.05) -> None:
+    """Wait until ``condition()``; fail with the job's output if it ends or the time runs out first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        ended = [process.poll() is not None for process in job.processes]
+        if any(ended) or time.monotonic() > deadline:
+            for process in job.processes:
+                process.terminate()
+            codes, stdout, stderr = job.wait(timeout=60)
+            raise AssertionError(f"the job ended or timed out first ({codes}):\n{stdout}\n{stderr}")
+        time.sleep(poll)
+
+
+def assert_checkpoints_whole(run_dir: Path) -> None:
+    """Every step-* directory has its index, and each file the index lists with its recorded size."""
+    from vescale.dcheckpoint import read_index
+
+    checkpoints = sorted(run_dir.glob("step-*"))
+    assert checkpoints, list(run_dir.iterdir())
+    for checkpoint in checkpoints:
+        index = read_index(checkpoint)
+        for name, record in index.files.items():
+            assert (checkpoint / name).stat().st_size == record.size, (checkpoint, name)
+    assert not list(run_dir.glob(".step-*")), list(run_dir.glob(".*"))
+
+
+def assert_resumed_like_uninterrupted(
+    finetuned, run_dir: Path, stdout: str, stderr: str, codes: list[int], killed_rank: int, killed_at: int
+) -> None:
+    assert codes == [0] * len(codes), stdout + stderr
+    assert (
+        f"attempt 1 failed: rank {killed_rank} was killed by SIGKILL; restarting every rank (attempt 2 of 3)"
+        in (stderr)
+    )
+    resumed = re.search(
+        r"attempt 2: (?:resumed from .* at step (\d+)|no checkpoint was complete yet)", stdout
+    )
+    assert resumed is not None, stdout
+    resumed_step = int(resumed.group(1) or 0)
+    assert killed_at - resumed_step <= SAVE_EVERY, (killed_at, resumed_step)
+    assert_checkpoints_whole(run_dir)
+    reference = json.loads((finetuned[0] / "losses.json").read_text())["losses"]
+    losses = json.loads((run_dir / "losses.json").read_text())
+    assert losses["steps"] == list(range(1, STEPS + 1))
+    assert losses["losses"] == reference  # bit for bit: rank-ordered sums, everything restored
+
+
+def restart_arguments(pretrained: Path, corpus: Path, run_dir: Path) -> list[str]:
+    return [
+        *finetune_arguments(pretrained, corpus, run_dir), "--eval-every", "12", "--eval-fraction", "0.1",
+        "--max-restarts", "2",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("trial", ["random-step", "during-async-save", "two-nodes"])
+def test_a_killed_worker_restarts_the_job_which_ends_as_if_uninterrupted(
+    trial, pretrained, corpus, finetuned, tmp_path
+):
+    assert finetuned[1].returncode == 0, finetuned[1].stdout + finetuned[1].stderr
+    run_dir = tmp_path / "run"
+    chooser = random.Random(f"{trial}-{os.getpid()}-{time.time_ns()}")
+    arguments = restart_arguments(pretrained, corpus, run_dir)
+    if trial == "two-nodes":
+        endpoint = f"127.0.0.1:{free_port()}"
+        # 2 nodes x 2 ranks: the same 4-rank world (a later --nproc wins over the job's --nproc 4).
+        multi_node = ["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", endpoint]
+        commands = [
+            [str(VESCALE), "train", *arguments, *multi_node, "--node-rank", str(node)] for node in (0, 1)
+        ]
+    else:
+        commands = [[str(VESCALE), "train", *arguments]]
+    with _machine_wide_rank_lock(), Job(commands, run_dir) as job:
+        if trial == "during-async-save":
+            # The save of step 20 runs on a background thread while the ranks train on: kill in it.
+            saving = run_dir / ".step-000020.saving"
+            wait_for(job, saving.exists, timeout=240, poll=0.0005)
+        else:
+            kill_step = chooser.randint(2, STEPS - 2)
+            wait_for(job, lambda: job.last_step() >= kill_step, timeout=240)
+        pids = worker_pids(run_dir)
+        killed_rank = chooser.choice([rank for rank in sorted(pids) if trial != "two-nodes" or rank >= 2])
+        during_save = (run_dir / ".step-000020.saving").exists()
+        os.kill(pids[killed_rank], signal.SIGKILL)
+        killed_at = job.last_step()
+        codes, stdout, stderr = job.wait(timeout=300)
+    if trial == "during-async-save":
+        assert during_save, "the kill missed the save"
+    assert_resumed_like_uninterrupted(finetuned, run_dir, stdout, stderr, codes, killed_rank, killed_at)
+
+
+def test_a_stopped_worker_fails_the_attempt_with_every_rank_stack_then_restarts(
+    pretrained, corpus, finetuned, tmp_path
+):
+    assert finetuned[1].returncode == 0, finetuned[1].stdout + finetuned[1].stderr
+    run_dir, timeout = tmp_path / "run", 10
+    arguments = [*restart_arguments(pretrained, corpus, run_dir), "--timeout", str(timeout)]
+    with _machine_wide_rank_lock(), Job([[str(VESCALE), "train", *arguments]], run_dir) as job:
+        wait_for(job, lambda: job.last_step() >= 13, timeout=240)
+        stopped = worker_pids(run_dir)[2]
+        os.kill(stopped, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        wait_for(
+            job,
+            lambda: any(line.startswith("attempt 2: resumed") for line in job.lines),
+            timeout=timeout + 90,
+        )
+        failed_after = time.monotonic() - stopped_at
+        codes, stdout, stderr = job.wait(timeout=300)
+    assert codes == [0], stdout + stderr
+    # The three live ranks each say so and print their threads' stacks; the stopped one cannot run.
+    for rank in (0, 1, 3):
+        assert re.search(rf"error: rank {rank} made no progress in step \d+ for {timeout} s", stderr), stderr
+    assert stderr.count("most recent call first") >= 3 and "train_worker.py" in stderr
+    assert re.search(r"attempt 1 failed: rank \d made no progress within --timeout", stderr), stderr
+    # Stopping takes torchrun's 30 s grace for the stopped rank's SIGTERM, then SIGKILL.
+    assert failed_after < timeout + 30 + 30, failed_after  # + the restart's start-up before "resumed"
+    reference = json.loads((finetuned[0] / "losses.json").read_text())["losses"]
+    assert json.loads((run_dir / "losses.json").read_text())["losses"] == reference

@@ -72,8 +72,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--no-rank-lock",
         action="store_true",
-        help="run the ranks without the machine-wide rank lock, at the lowest CPU priority (nice 19): "
-        "for a machine shared with test runs that hold the lock for minutes",
+        help="run the ranks without the machine-wide rank lock (on a machine shared with test runs "
+        "that hold it for minutes; run the sweep under `nice` there so that it takes spare CPU only)",
     )
     return parser.parse_args(argv)
 
@@ -185,7 +185,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     if args.no_rank_lock:
         os.environ["VESCALE_TEST_RANK_LOCK"] = "none"
-        os.nice(19)  # the rank processes inherit it: they take only CPU time nobody else wants
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.WARNING)
     import transformers

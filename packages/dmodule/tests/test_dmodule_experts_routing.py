@@ -128,7 +128,7 @@ def _dispatch_bytes_match_routing() -> None:
 
 def _balanced_dispatch_and_capacity() -> None:
     from vescale.dmodule import parallelize_experts
-    from vescale.dmodule.experts import expert_parallel_state
+    from vescale.dmodule.experts import dropped_pairs, expert_parallel_state
 
     ep, tokens, top_k, num_experts = 4, 16, 2, 8
     reference = tiny_moe("mixtral").model.layers[0].mlp.experts
@@ -157,7 +157,7 @@ def _balanced_dispatch_and_capacity() -> None:
     expert_parallel_state(experts).capacity_factor = 1.0
     capacity = math.ceil(1.0 * tokens * top_k / num_experts)
     out = experts(states, skewed, weights)
-    assert expert_parallel_state(experts).dropped_pairs == 2 * (tokens - capacity)
+    assert dropped_pairs(model)["model.layers.0.mlp.experts"] == 2 * (tokens - capacity)
     kept_weights = weights.detach().clone()
     kept_weights[capacity:] = 0.0  # the pairs past the capacity, in token order
     expected = reference(states.detach(), skewed, kept_weights)

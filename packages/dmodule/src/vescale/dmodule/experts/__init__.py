@@ -24,6 +24,7 @@ from vescale.dmodule.experts.local_experts import LocalExperts, grouped_mm_suppo
 from vescale.dmodule.experts.parallelize import (
     ExpertParallelState,
     batch_dims_of,
+    dropped_pairs,
     expert_parallel_state,
     is_expert_parameter,
     parallelize_experts,
@@ -43,6 +44,7 @@ __all__ = [
     "batch_dims_of",
     "computes_load_balancing_loss",
     "dispatch_and_combine",
+    "dropped_pairs",
     "expert_parallel_state",
     "find_moe_blocks",
     "global_load_balancing_loss",

@@ -48,6 +48,7 @@ __all__ = [
     "EXPERT_PARALLEL_ATTRIBUTE",
     "ExpertParallelState",
     "batch_dims_of",
+    "dropped_pairs",
     "expert_parallel_state",
     "is_expert_parameter",
     "parallelize_experts",
@@ -87,6 +88,21 @@ def expert_parallel_state(module: nn.Module) -> ExpertParallelState | None:
         expert_parallel_state(model.model.layers[0].mlp.experts).dropped_pairs
     """
     return getattr(module, EXPERT_PARALLEL_ATTRIBUTE, None)
+
+
+def dropped_pairs(model: nn.Module) -> dict[str, int]:
+    """``{experts FQN: (token, k) pairs this rank dropped in its last forward}`` (0 when dropless).
+
+    Example::
+
+        parallelize_experts(model, mesh, capacity_factor=1.25)
+        model(input_ids=ids); print(sum(dropped_pairs(model).values()))
+    """
+    return {
+        state.fqn: state.dropped_pairs
+        for state in (expert_parallel_state(module) for module in model.modules())
+        if state is not None
+    }
 
 
 def is_expert_parameter(param: torch.Tensor) -> bool:

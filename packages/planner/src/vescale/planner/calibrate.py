@@ -54,14 +54,26 @@ def _all_reduce_seconds(numel: int, repeats: int) -> float:
     return _seconds(lambda: dist.all_reduce(tensor), repeats)
 
 
+def _dtensor_op_seconds(leaf: torch.Tensor) -> float:
+    """The same op on a DTensor over all ranks (what tensor parallelism adds to every op)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    shared = distribute_tensor(leaf.detach(), mesh, [Replicate()]).requires_grad_()
+    return _seconds(lambda: shared.mul(2.0).to_local().sum().backward(), 200) / 4
+
+
 def _measure_on_rank() -> dict[str, float]:
     figures: dict[str, float] = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         figures[f"{name}_flops"], figures[f"{name}_matmul_overhead_s"] = _matmul_fit(dtype)
     source, target = torch.ones(8 * 2**20), torch.empty(8 * 2**20)
     figures["memory_bandwidth"] = 2 * source.nbytes / _seconds(lambda: target.copy_(source), 10)
-    one, other = torch.ones(4), torch.ones(4)
-    figures["op_overhead_s"] = _seconds(lambda: one.add(other), 2000)
+    # One eager op as training runs it: autograd records it and backward runs its gradient.
+    leaf = torch.ones(4, requires_grad=True)
+    figures["op_overhead_s"] = _seconds(lambda: leaf.mul(2.0).sum().backward(), 500) / 4
+    figures["dtensor_op_overhead_s"] = _dtensor_op_seconds(leaf)
     world = dist.get_world_size()
     if world > 1:
         small_s = _all_reduce_seconds(256, 50)

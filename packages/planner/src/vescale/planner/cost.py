@@ -6,7 +6,8 @@ From the per-op records of the meta-tensor forward (:mod:`vescale.planner.op_cos
   efficiency curve ``e(d) = matmul_efficiency * d / (d + matmul_half_dim)`` on its smallest
   dimension ``d`` after tensor parallelism (column-parallel divides ``n``, row-parallel ``k``);
   fused attention likewise on its head dimension (heads divided by ``tp``); every other op
-  ``bytes / (memory bandwidth * memory_efficiency)``; each op at least ``op_overhead_us``.
+  ``bytes / (memory bandwidth * memory_efficiency)``; each op at least ``op_overhead_us``
+  (``dtensor_op_overhead_us`` under tensor parallelism, where every op runs on DTensors).
   Backward costs 2x the forward (attention 2.5x), in ``mixed_precision``'s dtype;
 * **recompute**: ``"full"`` runs each block's forward again, ``"selective"`` its non-matmul ops;
 * **tensor_parallel**: each row-parallel output all-reduced in forward and backward (under
@@ -79,7 +80,8 @@ def _op_seconds(
     bytes_scale = 0.5 if choices.mixed_precision == "bf16" else 1.0
     traffic = op.traffic_bytes * scale * bytes_scale
     bandwidth = hardware.memory_bandwidth * hardware.memory_efficiency
-    overhead = hardware.op_overhead_us * 1e-6
+    # Under tensor parallelism every op of the model runs on DTensors (implicit replication).
+    overhead = (hardware.dtensor_op_overhead_us if tp > 1 else hardware.op_overhead_us) * 1e-6
     sharded = column = False
     if tp > 1 and plan is not None and op.module_fqn:
         owned = profile.module_parameters.get(op.module_fqn, ())

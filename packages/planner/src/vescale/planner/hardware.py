@@ -53,7 +53,8 @@ class HardwareProfile:
     ``matmul_half_dim`` the smallest matrix dimension at which it reaches half of that;
     ``collective_efficiency`` the fraction of link bandwidth a ring collective reaches;
     ``op_overhead_us`` the host time of one eager op (a small op costs at least that),
-    ``matmul_overhead_us`` the fixed cost of one matmul call.
+    ``matmul_overhead_us`` the fixed cost of one matmul call, ``dtensor_op_overhead_us`` the host
+    time of one op on DTensors (every op of a tensor-parallel model).
 
     Example::
 
@@ -76,6 +77,7 @@ class HardwareProfile:
     collective_efficiency: float = 0.8
     op_overhead_us: float = 10.0
     matmul_overhead_us: float = 5.0
+    dtensor_op_overhead_us: float = 40.0
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -250,5 +252,6 @@ def calibrate_cpu(world_size: int = 2) -> HardwareProfile:
         collective_efficiency=1.0,
         op_overhead_us=measured["op_overhead_s"] * 1e6,
         matmul_overhead_us=measured["fp32_matmul_overhead_s"] * 1e6,
+        dtensor_op_overhead_us=measured["dtensor_op_overhead_s"] * 1e6,
         source=f"measured on this machine by {world_size} gloo ranks at once (vescale plan --calibrate)",
     )

@@ -180,6 +180,8 @@ def run_pair(pair: str, args: argparse.Namespace) -> dict:
             times, peak = _timed_block(entry["model"], entry["optimizer"], input_ids, args.steps)
             entry["times"].append(statistics.median(times))
             entry["peak"] = max(entry["peak"], peak)
+    if args.profile:
+        _print_profiles(pair, sides, input_ids)
     numel = sum(param.numel() for param in _plain_count(config))
     flops = 6 * numel * args.batch * args.seq + 12 * args.layers * args.hidden * args.seq**2 * args.batch
     result = {"pair": pair, "parameters": numel}
@@ -206,6 +208,21 @@ def run_pair(pair: str, args: argparse.Namespace) -> dict:
     return result
 
 
+def _print_profiles(pair: str, sides: dict, input_ids: torch.Tensor) -> None:
+    """``torch.profiler``'s busiest operators (self device time, then self CPU time) of one step per side."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    for side, entry in sides.items():
+        _synchronize()
+        with profile(activities=activities) as profiler:
+            _step(entry["model"], entry["optimizer"], input_ids)
+            _synchronize()
+        table = profiler.key_averages().table(sort_by=sort_by, row_limit=14, max_name_column_width=60)
+        print(f"\n#### profile: {pair}, {side}\n\n{table}", flush=True)
+
+
 def _plain_count(config: transformers.LlamaConfig):
     with torch.device("meta"):
         return list(transformers.LlamaForCausalLM(config).parameters())
@@ -228,6 +245,7 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=PAIRS)
     parser.add_argument("--json", help="write the results here too")
+    parser.add_argument("--profile", action="store_true", help="print each side's torch.profiler table")
     args = parser.parse_args()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():

@@ -27,6 +27,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
+# dp_step's checked variants (deterministic mode is reported by dp_step.py itself, not checked).
+NON_DETERMINISTIC = [
+    "torch DDP",
+    "ours ZeRO-0",
+    "torch ZeroRedundancyOptimizer",
+    "ours ZeRO-1",
+    "torch FSDP2 no reshard",
+    "ours ZeRO-2",
+    "torch FSDP2",
+    "ours ZeRO-3",
+]
 # name -> (full arguments, quick arguments)
 BENCHES: dict[str, tuple[list[str], list[str]]] = {
     "tp_step": (
@@ -34,7 +45,22 @@ BENCHES: dict[str, tuple[list[str], list[str]]] = {
         ["--tp", "2", "--warmup", "1", "--steps", "1", "--layers", "1"],
     ),
     "dp_step": (
-        ["--dp", "4", "--width", "1024", "--layers", "6", "--rows", "8", "--steps", "3", "--repeats", "5"],
+        [
+            "--dp",
+            "4",
+            "--width",
+            "1024",
+            "--layers",
+            "6",
+            "--rows",
+            "8",
+            "--steps",
+            "3",
+            "--repeats",
+            "5",
+            "--variants",
+            *NON_DETERMINISTIC,
+        ],
         [
             "--dp",
             "2",
@@ -154,11 +180,15 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when a row misses its goal")
     parser.add_argument("--benches", nargs="+", default=list(BENCHES), choices=list(BENCHES))
     parser.add_argument("--json", help="write every row here too")
+    parser.add_argument("--logs", help="write each bench's own output (its detailed tables) into this folder")
     arguments = parser.parse_args()
     rows: list[dict] = []
     for name in arguments.benches:
         bench_rows, seconds, output = run_bench(name, arguments.quick)
         print(f"[run_all] {name}: {len(bench_rows)} row(s) in {seconds:.0f} s", flush=True)
+        if arguments.logs:
+            Path(arguments.logs).mkdir(parents=True, exist_ok=True)
+            (Path(arguments.logs) / f"{name}.log").write_text(output)
         if any(row.get("failed") for row in bench_rows):
             print(output, file=sys.stderr)
         rows += bench_rows

@@ -79,16 +79,20 @@ def test_expert_parallel_step_matches_single_device(name, mesh_dims):
         assert max(errors.values()) <= TOLERANCE, (rank, errors)
 
 
-def _tensor_parallel_outside_experts(name: str) -> dict[str, float]:
+def _dmodule_outside_experts(name: str, mesh_dims: dict[str, int]) -> dict[str, float]:
     from vescale.dmodule import auto_sharding_plan, parallelize_experts, parallelize_module
     from vescale.dmodule.experts import average_gradients
 
     reference = tiny_moe(name)
     model = copy.deepcopy(reference)
-    mesh = init_mesh(ep=2, tp=2)
-    plan = auto_sharding_plan(model).to_dict()
-    plan["parameter"] = {fqn: p for fqn, p in plan["parameter"].items() if "experts" not in fqn}
-    parallelize_module(model, mesh, plan, mesh_dim="tp")
+    mesh = init_mesh(**mesh_dims)
+    if "tp" in mesh_dims:
+        plan = auto_sharding_plan(model).to_dict()
+        plan["parameter"] = {fqn: p for fqn, p in plan["parameter"].items() if "experts" not in fqn}
+        parallelize_module(model, mesh, plan, mesh_dim="tp")
+    else:
+        # No tensor parallelism: an empty plan makes every parameter a Replicate DTensor on the mesh.
+        parallelize_module(model, mesh, {"parameter": {}}, mesh_dim="ep")
     parallelize_experts(model, mesh)
     ids = global_batch()
     local_ids = batch_shard(ids, mesh)
@@ -101,16 +105,25 @@ def _tensor_parallel_outside_experts(name: str) -> dict[str, float]:
     loss = output.loss.full_tensor().detach().clone()
     torch.distributed.all_reduce(loss, group=mesh.get_group("ep"))
     return {
-        "loss": relative_error(loss / 2, reference_output.loss),
+        "loss": relative_error(loss / mesh_dims["ep"], reference_output.loss),
         "grad": max(gradient_errors(model, reference).values()),
     }
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3"])
-def test_experts_over_ep_with_tensor_parallel_attention(name):
-    """ep2 x tp2: dmodule's automatic plan on everything but the experts, experts over ep."""
-    results = run_on_ranks(_tensor_parallel_outside_experts, 4, (name,))
-    print(f"{name} ep2 x tp2: worst over ranks", {k: max(r[k] for r in results) for k in results[0]})
+@pytest.mark.parametrize(
+    ("name", "mesh_dims"),
+    [
+        ("mixtral", {"ep": 2, "tp": 2}),
+        ("qwen3_moe", {"ep": 2, "tp": 2}),
+        ("deepseek_v3", {"ep": 2, "tp": 2}),
+        ("mixtral", {"ep": 4}),
+    ],
+)
+def test_experts_over_ep_inside_a_dmodule(name, mesh_dims):
+    """ep2 x tp2: dmodule's automatic plan on everything but the experts, experts over ep; ep4: every
+    non-expert parameter a Replicate DTensor (parallelize_module's empty plan), experts over ep."""
+    results = run_on_ranks(_dmodule_outside_experts, 4, (name, mesh_dims))
+    print(f"{name} {mesh_dims}: worst over ranks", {k: max(r[k] for r in results) for k in results[0]})
     for rank, errors in enumerate(results):
         assert max(errors.values()) <= TOLERANCE, (rank, errors)
 

@@ -64,7 +64,6 @@ def build(name: str) -> nn.Module:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
     )
     if name == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes))

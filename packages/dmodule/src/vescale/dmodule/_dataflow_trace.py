@@ -88,6 +88,8 @@ class DataflowTrace:
     embeddings: set[str] = field(default_factory=set)
     output_ndims: dict[str, int] = field(default_factory=dict)
     """The number of dims of each module's output (when it is one tensor), by module FQN."""
+    tied: list[tuple[str, ...]] = field(default_factory=list)
+    """The FQNs of each parameter that has several (tied input and output embeddings)."""
 
 
 @dataclass(frozen=True)
@@ -159,18 +161,36 @@ def _reshaped(location: Location, before: Sequence[int], after: Sequence[int]) -
 
 
 class _Tracer(_compat.torch_dispatch_mode_class()):
-    def __init__(self, parameters: dict[int, str]) -> None:
+    def __init__(self, parameters: dict[int, list[str]]) -> None:
         super().__init__()
         self.parameter_names = parameters
+        self.module_stack: list[str] = []
+        """FQNs of the modules whose forward is running, outermost first."""
         self.views: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.flows: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.trace = DataflowTrace()
 
     # --- bookkeeping -----------------------------------------------------------------
+    def _parameter_name(self, tensor: Any) -> str | None:
+        """The FQN under which the running module uses ``tensor``, for a parameter.
+
+        A tied parameter has several FQNs (GPT-2's ``transformer.wte.weight`` is also
+        ``lm_head.weight``); the one owned by the innermost running module names this use, so
+        the embedding lookup is recorded as the embedding and the head's matmul as the head.
+        """
+        aliases = self.parameter_names.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+        if not aliases:
+            return None
+        for module_fqn in reversed(self.module_stack):
+            for alias in aliases:
+                if alias.rpartition(".")[0] == module_fqn:
+                    return alias
+        return aliases[0]
+
     def _view_of(self, tensor: Any) -> _ParameterView | None:
         if not isinstance(tensor, torch.Tensor):
             return None
-        name = self.parameter_names.get(id(tensor))
+        name = self._parameter_name(tensor)
         if name is not None:
             return _ParameterView(name, tuple(range(tensor.ndim)))
         return self.views.get(tensor)
@@ -203,7 +223,7 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
     def _record(self, func: Any, args: tuple, kwargs: dict, output: Any) -> None:
         source = args[0] if args else None
         if func is aten.embedding.default:
-            self.trace.embeddings.add(self.parameter_names.get(id(source), ""))
+            self.trace.embeddings.add(self._parameter_name(source) or "")
             return
         if func in _MATMULS:
             self._record_matmul(func, args, output)
@@ -421,18 +441,32 @@ def trace_dataflow(
 
         trace = trace_dataflow(model, (torch.zeros(3, 7, dtype=torch.long),))
     """
-    parameters = {id(parameter): name for name, parameter in model.named_parameters(remove_duplicate=False)}
+    parameters: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        parameters.setdefault(id(parameter), []).append(name)
     tracer = _Tracer(parameters)
     trace = tracer.trace
+    trace.tied = [tuple(names) for names in parameters.values() if len(names) > 1]
 
-    def record_output(fqn: str) -> Any:
+    def enter(fqn: str) -> Any:
+        def hook(module: nn.Module, args: tuple) -> None:
+            tracer.module_stack.append(fqn)
+
+        return hook
+
+    def leave(fqn: str) -> Any:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if tracer.module_stack and tracer.module_stack[-1] == fqn:
+                tracer.module_stack.pop()
             if isinstance(output, torch.Tensor):
                 trace.output_ndims[fqn] = output.ndim
 
         return hook
 
-    handles = [module.register_forward_hook(record_output(fqn)) for fqn, module in model.named_modules()]
+    handles = []
+    for fqn, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(enter(fqn)))
+        handles.append(module.register_forward_hook(leave(fqn), always_call=True))
     try:
         with torch.no_grad(), tracer:
             model(*example_args, **(example_kwargs or {}))

@@ -32,7 +32,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -54,7 +54,8 @@ class AutoShardingResult:
     decisions: tuple[tuple[str, str], ...] = ()
     """``(parameter FQN, decision and reason)`` for every projection and embedding."""
     head_counts: tuple[int, ...] = ()
-    """Head counts of the column-parallel attention projections: a TP size must divide each."""
+    """Query-head counts of the attentions: a TP size must divide each (key/value heads fewer
+    than the TP size are replicated, see :mod:`vescale.dmodule._attention_heads`)."""
 
     def explain(self) -> str:
         """One line per decision, then the head-count constraint."""
@@ -126,11 +127,31 @@ def _fused_parts(projection: Projection) -> tuple[int, str]:
     return 0, f"its output is cut into unequal fused parts {sizes}, which InterleavedShard cannot shard"
 
 
-def _decide(trace: DataflowTrace) -> tuple[dict[str, str], dict[str, str], list[str], list[str], list[str]]:
-    """Parameter placements, decisions, column weights, row weights and vocabulary-parallel heads."""
-    placements: dict[str, str] = {}
-    decisions: dict[str, str] = {}
-    columns, rows, lm_heads = [], [], []
+@dataclass
+class _Decisions:
+    """What :func:`_decide` chose: placements by parameter FQN, why, and the sharded roles."""
+
+    placements: dict[str, str] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+    columns: list[str] = field(default_factory=list)
+    rows: list[str] = field(default_factory=list)
+    lm_heads: list[str] = field(default_factory=list)
+    embeddings: list[str] = field(default_factory=list)
+
+    def replicate(self, names: set[str], why: str) -> None:
+        """Take ``names`` out of every sharded role, with ``why`` as their reason."""
+        for name in names:
+            self.placements.pop(name, None)
+            self.reasons[name] = f"replicated: {why}"
+        for role in (self.columns, self.rows, self.lm_heads, self.embeddings):
+            role[:] = [name for name in role if name not in names]
+
+
+def _decide(trace: DataflowTrace) -> _Decisions:
+    """Parameter placements, the reasons, and which parameters are columns, rows, heads, embeddings."""
+    decided = _Decisions()
+    placements, decisions = decided.placements, decided.reasons
+    columns, rows, lm_heads = decided.columns, decided.rows, decided.lm_heads
     projections = trace.projections
     consumed_by: dict[str, list[str]] = {}
     for name, projection in projections.items():
@@ -170,9 +191,37 @@ def _decide(trace: DataflowTrace) -> tuple[dict[str, str], dict[str, str], list[
         else:
             decisions[name] = "replicated: no projection consumes its output, so no column/row pair"
     for embedding in sorted(trace.embeddings):
+        decided.embeddings.append(embedding)
         placements[embedding] = "S(0)"
         decisions[embedding] = "vocabulary-parallel S(0): an embedding table, sharded by rows"
-    return placements, decisions, columns, rows, lm_heads
+    _tie(decided, trace, consumed_by)
+    return decided
+
+
+def _tie(decided: _Decisions, trace: DataflowTrace, consumed_by: dict[str, list[str]]) -> None:
+    """Give every FQN of a tied parameter one placement.
+
+    Tied input and output embeddings agree by themselves: the vocabulary-parallel table and the
+    vocabulary-sharded head both shard the vocabulary dim (``S(0)`` of the ``(vocab, hidden)``
+    weight). Where the uses of a tied tensor would want different placements, every use is
+    replicated, together with the column/row partners of any use that was a projection pair
+    (a row-parallel partner would otherwise read features no longer sharded).
+    """
+    for group in trace.tied:
+        chosen = {decided.placements.get(name) for name in group}
+        if len(chosen) == 1:
+            continue
+        names = set(group)
+        for name in group:
+            names.update(consumed_by.get(name, ()))
+            if name in decided.rows:
+                names.update(trace.projections[name].consumes)
+        for name in list(names):
+            projection = trace.projections.get(name)
+            if projection is not None and projection.bias:
+                names.add(projection.bias)
+        described = ", ".join(f"{name}: {decided.placements.get(name, 'R')}" for name in group)
+        decided.replicate(names, f"one tied tensor whose uses want different placements ({described})")
 
 
 def plan_tensor_parallel(
@@ -192,14 +241,25 @@ def plan_tensor_parallel(
     if example_args is None and example_kwargs is None:
         example_args, example_kwargs = _default_example(model)
     trace = trace_dataflow(model, example_args or (), example_kwargs or {})
-    placements, decisions, columns, rows, lm_heads = _decide(trace)
+    decided = _decide(trace)
+    placements, decisions = decided.placements, decided.reasons
+    columns, rows, lm_heads = decided.columns, decided.rows, decided.lm_heads
     residual = "S(1)" if sequence_parallel else "R"
     forward: dict[str, object] = {}
-    for embedding in sorted(trace.embeddings):
+    for embedding in decided.embeddings:
         three_dims = trace.output_ndims.get(_module_of(embedding)) == 3
         forward[f"{_module_of(embedding)}.output"] = [residual if three_dims else "R"]
     for column in columns:
         forward.setdefault(f"{_module_of(column)}.input", _column_module_inputs(model, _module_of(column)))
+    if sequence_parallel:
+        # A replicated projection reads whole sequences too: fed the sequence-sharded residual,
+        # its output would carry the sequence sharding into attention (OLMo2's q/k projections,
+        # replicated because a norm spans all their heads, failed in attention's reshape).
+        for name in trace.projections:
+            if name not in placements and name not in rows:
+                forward.setdefault(
+                    f"{_module_of(name)}.input", _column_module_inputs(model, _module_of(name))
+                )
     for row in rows:
         # Only (batch, sequence, hidden) outputs can be sharded on the sequence; flattened tokens are reduced.
         three_dims = trace.output_ndims.get(_module_of(row)) == 3
@@ -209,19 +269,42 @@ def plan_tensor_parallel(
     for head in lm_heads:
         forward[f"{_module_of(head)}.input"] = ["R"]
         forward[f"{_module_of(head)}.output"] = ["S(-1)"]
+    head_layouts = _head_layouts(trace, decided)
     plan = ShardingPlan.from_dict(
         {
             # Sorted, so that every process builds an equal plan: the trace records consumers in
             # sets. The patterns never overlap, so their order decides no placement.
             "parameter": dict(sorted(_compact(placements).items())),
             "forward": dict(sorted(_compact_forward(forward).items())),
+            "heads": dict(sorted(_compact(head_layouts).items())),
         }
     )
-    head_counts = tuple(trace.projections[c].heads for c in columns if trace.projections[c].heads)
+    head_counts = tuple(sorted({layout[1] for layout in head_layouts.values()}))
     replicated = [name for name, reason in decisions.items() if reason.startswith("replicated")]
     if replicated:
         logger.info("auto_sharding_plan leaves %d projections replicated: %s", len(replicated), replicated)
     return AutoShardingResult(plan=plan, decisions=tuple(sorted(decisions.items())), head_counts=head_counts)
+
+
+def _head_layouts(trace: DataflowTrace, decided: _Decisions) -> dict[str, list[int]]:
+    """``[heads, query heads]`` for each column-parallel attention parameter (weight and bias).
+
+    The query heads of an attention are the most heads among the columns its row projection
+    consumes; key/value projections with fewer (grouped-query attention) are replicated by the
+    plan's resolution when the tensor-parallel size exceeds their count.
+    """
+    layouts: dict[str, list[int]] = {}
+    for row in decided.rows:
+        producers = [trace.projections[name] for name in sorted(trace.projections[row].consumes)]
+        producers = [p for p in producers if p.heads and p.weight in decided.columns]
+        if not producers:
+            continue
+        query_heads = max(producer.heads for producer in producers)
+        for producer in producers:
+            for name in (producer.weight, producer.bias):
+                if name is not None and name in decided.placements:
+                    layouts[name] = [producer.heads, query_heads]
+    return layouts
 
 
 def _token_block_gather(trace: DataflowTrace, module_fqn: str) -> dict[str, list[str]]:

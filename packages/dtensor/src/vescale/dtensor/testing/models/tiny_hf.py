@@ -32,7 +32,6 @@ _DECODER_SIZES = dict(
     max_position_embeddings=64,
     initializer_range=0.02,
     attn_implementation="sdpa",
-    tie_word_embeddings=False,
 )
 
 
@@ -81,7 +80,6 @@ def _tiny_hf_config(name: str, num_key_value_heads: int):
             embd_pdrop=0.0,
             attn_pdrop=0.0,
             attn_implementation="sdpa",
-            tie_word_embeddings=False,
         )
     if name in transformers.CONFIG_MAPPING:
         # Any other decoder-only architecture, by its model type ("qwen2", "gemma2", ...).

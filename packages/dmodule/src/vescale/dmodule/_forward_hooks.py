@@ -56,6 +56,8 @@ def convert_to_placements(value: Any, mesh: DeviceMesh, placements: TensorPlacem
                 f"{where}: the tensor lives on mesh {value.device_mesh} but the plan places it on {mesh}; "
                 "parallelize the producing module on the same mesh"
             )
+        if any(placement.is_partial() for placement in value.placements):
+            return _ReducePartial.apply(value, mesh, tuple(target))
         # Even when the placements already agree: the redistribution's backward returns the
         # gradient in these placements (Megatron's "identity forward, all-reduce backward").
         return value.redistribute(mesh, target)
@@ -68,6 +70,31 @@ def convert_to_placements(value: Any, mesh: DeviceMesh, placements: TensorPlacem
     if all(isinstance(placement, Replicate) for placement in target):
         return replicated
     return replicated.redistribute(mesh, target)
+
+
+class _ReducePartial(torch.autograd.Function):
+    """``value.redistribute(mesh, target)`` for a Partial ``value``, whose gradient is Replicate there.
+
+    The gradient of a sum's terms is the gradient of the sum, whole on every rank. PyTorch's own
+    redistribution hands a Replicate gradient back as Replicate, but a gradient that arrives
+    Partial (replicated activations next to sharded ones sum their gradients that way) it tries
+    to turn into the input's partial type: for a vocabulary-parallel embedding's masked partial
+    output that fails ("Redistribution from one partial type (P(sum)) to another (MaskP ...)"),
+    OLMo2's tensor-parallel backward among others. Reducing it to Replicate is the single-device
+    gradient in every case.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor, mesh: DeviceMesh, target: tuple) -> DTensor:
+        ctx.mesh = mesh
+        ctx.gradient_placements = tuple(
+            Replicate() if placement.is_partial() else placement for placement in value.placements
+        )
+        return value.redistribute(mesh, target)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: DTensor) -> tuple[DTensor, None, None]:
+        return gradient.redistribute(ctx.mesh, ctx.gradient_placements), None, None
 
 
 class InputConversionCache:

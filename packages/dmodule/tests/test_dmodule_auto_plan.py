@@ -60,7 +60,8 @@ def test_llama_attention_and_mlp_pair_column_to_row_and_shard_the_vocabulary():
     forward = result.plan.to_dict()["forward"]
     assert forward[r"model\.layers\.\d+\.mlp\.down_proj.output"] == ["S(1)"]
     assert forward["lm_head.output"] == ["S(-1)"]
-    assert set(result.head_counts) == {model.config.num_attention_heads, model.config.num_key_value_heads}
+    # Only query heads bind the TP size: fewer key/value heads than ranks are replicated.
+    assert result.head_counts == (model.config.num_attention_heads,)
 
 
 def test_gpt2_fused_qkv_is_interleaved_and_conv1d_orientation_is_respected():
@@ -103,13 +104,14 @@ def test_unequal_fused_parts_are_replicated_with_the_reason():
 
 def test_tp_size_that_splits_a_head_is_refused_with_the_head_counts():
     model = _meta_model("llama")
-    key_value_heads = model.config.num_key_value_heads
+    query_heads, key_value_heads = model.config.num_attention_heads, model.config.num_key_value_heads
     result = plan_tensor_parallel(model)
     result.check_tp_size(key_value_heads)
-    too_many = 2 * key_value_heads
-    message = rf"size of {too_many} does not divide the head counts \[{key_value_heads}\]"
-    with pytest.raises(ShardingPlanError, match=message):
-        result.check_tp_size(too_many)
+    result.check_tp_size(query_heads)  # beyond the key/value heads: they are replicated
+    with pytest.raises(
+        ShardingPlanError, match=rf"size of 3 does not divide the head counts \[{query_heads}\]"
+    ):
+        result.check_tp_size(3)
 
 
 def auto_plan_training_errors(name: str, mesh_dims: dict, sequence_parallel: bool, steps: int) -> dict:

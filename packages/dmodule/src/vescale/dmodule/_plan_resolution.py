@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
+from vescale.dmodule._attention_heads import HeadLayout, apply_head_layouts
 from vescale.dmodule._plan_fqns import compiled_pattern, no_match_message
 from vescale.dmodule._tensor_placements import AnyPlacement, ForwardPlacements, TensorPlacements
 from vescale.dmodule.errors import ShardingPlanError
@@ -146,9 +147,12 @@ def resolve_plan(
     *,
     mesh_shape: tuple[int, ...],
     mesh_dim: int,
+    heads: Sequence[tuple[str, HeadLayout]] = (),
 ) -> ResolvedShardingPlan:
     """What a plan's ``parameter`` and ``forward`` entries decide for each parameter and module
-    of ``module`` (see the module docstring); later entries win on overlap.
+    of ``module`` (see the module docstring); later entries win on overlap. ``heads`` entries
+    replicate key/value projections with fewer heads than ranks, or refuse a size that would
+    split query heads (:mod:`vescale.dmodule._attention_heads`).
 
     Example::
 
@@ -172,6 +176,9 @@ def resolve_plan(
         for fqn in matched:
             _check_possible(fqn, parameters[fqn].shape, full, mesh_shape)
             resolved_parameters[fqn] = ResolvedSharding(full, pattern)
+    apply_head_layouts(
+        tuple(heads), resolved_parameters, list(parameters), mesh_shape=mesh_shape, mesh_dim=mesh_dim
+    )
     _check_tied(parameters, resolved_parameters)
 
     module_fqns = [fqn for fqn, _ in module.named_modules(remove_duplicate=False)]

@@ -39,6 +39,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Partial
 
+from vescale.dmodule._attention_heads import HeadLayout, head_layouts_to_json, parse_head_layouts
 from vescale.dmodule._plan_fqns import closest_names, compiled_pattern
 from vescale.dmodule._plan_resolution import ResolvedSharding, ResolvedShardingPlan, resolve_plan
 from vescale.dmodule._tensor_placements import (
@@ -61,7 +62,7 @@ __all__ = [
     "TensorPlacements",
 ]
 
-PLAN_SECTIONS = ("parameter", "forward")
+PLAN_SECTIONS = ("parameter", "forward", "heads")
 FORWARD_SUFFIXES = ("input", "output")
 
 
@@ -90,6 +91,9 @@ class ShardingPlan:
     parameter: tuple[tuple[str, TensorPlacements], ...] = ()
     forward: tuple[tuple[str, str, ForwardPlacements], ...] = ()
     """``(module pattern, "input" | "output", placements)`` entries."""
+    heads: tuple[tuple[str, HeadLayout], ...] = ()
+    """``(parameter pattern, HeadLayout)``: attention heads a tensor-parallel size must keep whole
+    (see :mod:`vescale.dmodule._attention_heads`)."""
 
     @classmethod
     def from_dict(cls, plan: Mapping[str, Any] | ShardingPlan) -> ShardingPlan:
@@ -113,7 +117,8 @@ class ShardingPlan:
         for key, value in _section(plan, "forward").items():
             pattern, suffix = _split_forward_key(str(key))
             forward.append((pattern, suffix, ForwardPlacements.from_json(value, f"forward['{key}']")))
-        sharding_plan = cls(parameter=parameter, forward=tuple(forward))
+        heads = parse_head_layouts(_section(plan, "heads"))
+        sharding_plan = cls(parameter=parameter, forward=tuple(forward), heads=heads)
         for pattern in sharding_plan.patterns():
             compiled_pattern(pattern)
         for pattern, placements in parameter:
@@ -138,10 +143,13 @@ class ShardingPlan:
         forward = {}
         for pattern, suffix, placements in self.forward:
             forward[f"{pattern}.{suffix}" if pattern else suffix] = placements.to_json()
-        return {
+        as_dict: dict[str, dict[str, Any]] = {
             "parameter": {pattern: tensor_placements_to_json(p) for pattern, p in self.parameter},
             "forward": forward,
         }
+        if self.heads:
+            as_dict["heads"] = head_layouts_to_json(self.heads)
+        return as_dict
 
     def to_json(self, indent: int | None = 2) -> str:
         """The plan as JSON text, as a user edits it."""
@@ -149,7 +157,11 @@ class ShardingPlan:
 
     def patterns(self) -> list[str]:
         """Every pattern of the plan, parameters first, in plan order."""
-        return [pattern for pattern, _ in self.parameter] + [pattern for pattern, _, _ in self.forward]
+        return (
+            [pattern for pattern, _ in self.parameter]
+            + [pattern for pattern, _, _ in self.forward]
+            + [pattern for pattern, _ in self.heads]
+        )
 
     def resolve(self, module: nn.Module, *, mesh_shape: Sequence[int], mesh_dim: int) -> ResolvedShardingPlan:
         """Match the plan against ``module``: per parameter FQN and per module FQN, what applies.
@@ -163,7 +175,12 @@ class ShardingPlan:
             print(resolved.format_table())
         """
         return resolve_plan(
-            self.parameter, self.forward, module, mesh_shape=tuple(mesh_shape), mesh_dim=mesh_dim
+            self.parameter,
+            self.forward,
+            module,
+            mesh_shape=tuple(mesh_shape),
+            mesh_dim=mesh_dim,
+            heads=self.heads,
         )
 
 

@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from vescale.dtensor import _compat
 from vescale.dtensor.errors import DTensorError
+from vescale.dtensor.ops.attention import expand_unpaired_key_value_heads
 
 __all__ = [
     "ImplicitReplicationError",
@@ -104,6 +105,8 @@ class ReplicatePlainTensorsMode(TorchFunctionMode):
         if exemplar is not None:
             args = _replicate_plain(args, exemplar)
             kwargs = _replicate_plain(kwargs, exemplar)
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                args, kwargs = expand_unpaired_key_value_heads(args, kwargs)
         return func(*args, **kwargs)
 
 

@@ -27,12 +27,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
 from vescale.dtensor import _compat
 
 __all__ = [
+    "expand_unpaired_key_value_heads",
     "pairing_query_groups",
     "sdpa_flash_for_cpu_backward_strategy",
     "sdpa_flash_for_cpu_strategy",
@@ -176,6 +177,43 @@ def pairing_query_groups(strategy: Callable[[Any], Any], query_position: int) ->
 
     filtered.vescale_unfiltered_strategy = strategy  # type: ignore[attr-defined]
     return filtered
+
+
+def expand_unpaired_key_value_heads(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``scaled_dot_product_attention``'s arguments with grouped key/value heads repeated, where
+    the query's head chunks would split a key/value group.
+
+    ``enable_gqa=True`` means each key/value head serves ``query_heads // key_heads``
+    consecutive query heads, i.e. ``repeat_interleave`` of key and value along the head dim
+    (PyTorch's definition). With more head chunks than key/value heads (tensor parallelism
+    beyond the KV-head count: Llama with 2 KV heads on 4 ranks) no head sharding of the
+    grouped tensors pairs each rank's query heads with their key/value head, so the repeat
+    is done first: every tensor then has the query's heads, and attention shards on heads
+    again (each rank slices the repeated key/value heads its query heads use; the repeat's
+    backward sums each group's gradients, as single-device GQA does).
+
+    Example::
+
+        args, kwargs = expand_unpaired_key_value_heads((q, k, v), {"enable_gqa": True})
+        out = F.scaled_dot_product_attention(*args, **kwargs)
+    """
+    if not kwargs.get("enable_gqa") or len(args) < 3:
+        return args, kwargs
+    query, key, value = args[0], args[1], args[2]
+    if not all(isinstance(tensor, DTensor) for tensor in (query, key, value)) or query.ndim < 3:
+        return args, kwargs
+    head_dim = query.ndim - 3
+    query_heads, key_heads = query.shape[head_dim], key.shape[head_dim]
+    chunks = 1
+    for mesh_dim, placement in enumerate(query.placements):
+        if isinstance(placement, Shard) and placement.dim % query.ndim == head_dim:
+            chunks *= query.device_mesh.size(mesh_dim)
+    if query_heads == key_heads or key_heads % chunks == 0 or query_heads % key_heads:
+        return args, kwargs
+    repeats = query_heads // key_heads
+    key = key.repeat_interleave(repeats, dim=head_dim)
+    value = value.repeat_interleave(repeats, dim=head_dim)
+    return (query, key, value, *args[3:]), {**kwargs, "enable_gqa": False}
 
 
 def _install() -> None:

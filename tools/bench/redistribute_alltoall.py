@@ -19,7 +19,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from vescale.dtensor import _compat
 from vescale.dtensor.comm import CommCounter
 from vescale.dtensor.mesh import init_mesh
-from vescale.dtensor.redistribute import install_shard_alltoall
+from vescale.dtensor.shard_alltoall import install_shard_alltoall
 from vescale.dtensor.testing import run_on_ranks, shutdown_rank_pool
 
 REPEATS = 5

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-import vescale.dtensor.redistribute  # noqa: F401  (Shard(i) -> Shard(j) through all-to-all)
+import vescale.dtensor.shard_alltoall  # noqa: F401  (Shard(i) -> Shard(j) through all-to-all)
 from vescale.dtensor.comm import BACKWARD, FORWARD, CommAccountingError, CommCounter, bytes_moved
 from vescale.dtensor.mesh import init_mesh
 from vescale.dtensor.testing import run_on_ranks

@@ -67,7 +67,7 @@ def test_communication_accounting_accessors_exist():
 
 
 def test_shard_to_new_shard_dim_has_the_signature_redistribute_replaces():
-    import vescale.dtensor.redistribute  # noqa: F401  (installs the replacement)
+    import vescale.dtensor.shard_alltoall  # noqa: F401  (installs the replacement)
 
     original = _compat.original_shard_to_new_shard_dim()
     code = original.__code__

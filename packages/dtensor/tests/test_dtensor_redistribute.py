@@ -15,7 +15,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from vescale.dtensor import _compat
 from vescale.dtensor.comm import BACKWARD, FORWARD, CommCounter
 from vescale.dtensor.mesh import init_mesh
-from vescale.dtensor.redistribute import chunk_sizes, install_shard_alltoall
+from vescale.dtensor.shard_alltoall import chunk_sizes, install_shard_alltoall
 from vescale.dtensor.testing import run_on_ranks
 
 FLOAT32_BYTES = 4

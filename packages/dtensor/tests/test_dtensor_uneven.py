@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-import vescale.dtensor.redistribute  # noqa: F401  (Shard(i) -> Shard(j) through all-to-all)
+import vescale.dtensor.shard_alltoall  # noqa: F401  (Shard(i) -> Shard(j) through all-to-all)
 from vescale.dtensor.comm import CommCounter
 from vescale.dtensor.mesh import init_mesh
 from vescale.dtensor.ops.views import UNEVEN_FLATTEN_ERROR

@@ -259,7 +259,7 @@ def strided_shard_type() -> type:
 
 # Shard(i) -> Shard(j): DTensor's redistribution calls the private method
 # Shard._to_new_shard_dim(local_tensor, mesh, mesh_dim, current_logical_shape, new_shard_dim),
-# which on a CPU mesh all-gathers the tensor; vescale.dtensor.redistribute swaps in an
+# which on a CPU mesh all-gathers the tensor; vescale.dtensor.shard_alltoall swaps in an
 # all-to-all. PyTorch's own version stays reachable for the meshes it keeps (non-CPU, and
 # LocalTensorMode, PyTorch's single-process simulation of ranks).
 
@@ -286,7 +286,7 @@ def original_shard_to_new_shard_dim() -> Any:
         raise PrivateTorchAPIError(
             "torch.distributed.tensor.placement_types.Shard._to_new_shard_dim is missing or takes "
             f"{parameters} in torch {torch.__version__}, expected {SHARD_TO_NEW_SHARD_DIM_PARAMETERS}; "
-            "update vescale/dtensor/_compat.py and vescale/dtensor/redistribute.py for this release."
+            "update vescale/dtensor/_compat.py and vescale/dtensor/shard_alltoall.py for this release."
         )
     return method
 

@@ -1,5 +1,5 @@
 """veScale's DTensor sharding strategies, one module per op family; importing registers them
-(and installs the all-to-all redistribution of :mod:`vescale.dtensor.redistribute`).
+(and installs the all-to-all redistribution of :mod:`vescale.dtensor.shard_alltoall`).
 
 Everything here extends stock PyTorch through ``register_sharding`` (public) or, where a
 strategy needs more, through :mod:`vescale.dtensor._compat`. :mod:`.coverage` reports
@@ -14,7 +14,7 @@ Example::
 """
 
 # Shard(i) -> Shard(j) as one all-to-all on every backend is part of the same completion of DTensor.
-import vescale.dtensor.redistribute  # noqa: F401
+import vescale.dtensor.shard_alltoall  # noqa: F401
 from vescale.dtensor.ops import (
     attention,
     backports,

@@ -15,7 +15,7 @@ imported; installing again changes nothing.
 
 Example::
 
-    import vescale.dtensor.redistribute  # installs the all-to-all path
+    import vescale.dtensor.shard_alltoall  # installs the all-to-all path
     x = distribute_tensor(torch.randn(6, 10), mesh, [Shard(0)])
     y = x.redistribute(mesh, [Shard(1)])   # one all_to_all, no all_gather
 """

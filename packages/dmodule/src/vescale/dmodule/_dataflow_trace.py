@@ -160,6 +160,25 @@ def _reshaped(location: Location, before: Sequence[int], after: Sequence[int]) -
     return None
 
 
+def _splits_one_head(at: Location, moved: Location, before: Sequence[int], after: Sequence[int]) -> bool:
+    """Whether a reshape turned whole features ``(..., F)`` into one head ``(..., 1, F)``.
+
+    ``view(batch, seq, -1, head_dim)`` of a projection with a single key/value head (multi-query
+    attention: Seed-OSS, Falcon) adds a heads dim of size 1; without counting it, the projection
+    looked head-less and rotary's halves of that one head looked like fused parts.
+    """
+    whole_before = at[1] == 1 and at[2] == before[at[0]]
+    whole_after = moved[1] == 1 and moved[2] == after[moved[0]]
+    return (
+        whole_before
+        and whole_after
+        and len(after) == len(before) + 1
+        and moved[0] >= 1
+        and after[moved[0] - 1] == 1
+        and after[moved[0]] == before[at[0]]
+    )
+
+
 class _Tracer(_compat.torch_dispatch_mode_class()):
     def __init__(self, parameters: dict[int, list[str]]) -> None:
         super().__init__()
@@ -347,6 +366,9 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
         start = args[2] if len(args) > 2 and args[2] is not None else 0
         end = args[3] if len(args) > 3 and args[3] is not None else size
         for name, (feature_dim, lo, hi) in self._flow(source).features.items():
+            # Slices of a head (rotary's halves) are not fused parts: only the whole output is fused.
+            if self.trace.projections[name].heads is not None:
+                continue
             if feature_dim == dim and lo == 1 and hi == size:
                 self.trace.projections[name].slices.add(
                     (max(start % size if start < 0 else start, 0), min(end, size))
@@ -412,6 +434,8 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
             projection = self.trace.projections[name]
             if projection.heads is None and at[1] == 1 and moved[2] // moved[1] < at[2] // at[1]:
                 projection.heads = moved[2] // moved[1]
+            elif projection.heads is None and _splits_one_head(at, moved, source.shape, output.shape):
+                projection.heads = 1
         self.flows[output] = _Flow(features, flow.normalises)
 
     def _record_permute(self, func: Any, args: tuple, source: torch.Tensor, output: torch.Tensor) -> None:

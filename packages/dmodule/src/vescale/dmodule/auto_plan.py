@@ -300,6 +300,8 @@ def _head_layouts(trace: DataflowTrace, decided: _Decisions) -> dict[str, list[i
         if not producers:
             continue
         query_heads = max(producer.heads for producer in producers)
+        if query_heads == 1:
+            continue  # one head in every projection: no attention's query heads to keep whole
         for producer in producers:
             for name in (producer.weight, producer.bias):
                 if name is not None and name in decided.placements:

@@ -121,6 +121,7 @@ class _Sweep:
                 "cpus": os.cpu_count(),
                 "python": platform.python_version(),
                 "wall_seconds": 0.0,
+                "architectures": len(archs),
                 "vescale_dmodule": _module_file("vescale.dmodule"),
             },
             "modes": modes,

@@ -14,6 +14,10 @@ Example::
 
 from __future__ import annotations
 
+import os
+import pickle
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -47,8 +51,28 @@ def _rank_functions() -> dict[str, Callable[[str, Any], dict[str, Any]]]:
 RANK_FUNCTIONS: dict[str, Callable[[str, Any], dict[str, Any]]] = {}
 
 
-def run_cases_on_rank(cases: list[tuple[str, str, Any]]) -> list[dict[str, Any]]:
-    """Run each ``(mode, arch, payload)`` case on this rank; one result dict per case."""
+def _record(directory: str | None, name: str, value: Any) -> None:
+    if directory is None:
+        return
+    temporary = os.path.join(directory, f".{name}.tmp")
+    with open(temporary, "wb") as output:
+        pickle.dump(value, output)
+    os.replace(temporary, os.path.join(directory, name))  # readers never see half a file
+
+
+def run_cases_on_rank(
+    cases: list[tuple[str, str, Any]], case_timeout_s: float = 120.0, results_directory: str | None = None
+) -> list[dict[str, Any]]:
+    """Run each ``(mode, arch, payload)`` case on this rank; one result dict per case.
+
+    Each result is also written to ``results_directory`` as it comes (``{index}-{rank}.pkl``), so
+    that the parent keeps the finished cases of a batch that dies later. A case that runs longer
+    than ``case_timeout_s`` ends this rank (``hang-{index}-{rank}`` is written first), and so does
+    a peer that is not back from the same case by then (``desync-{index}-{rank}``): a batch never
+    waits for its whole timeout on one hung case.
+    """
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
@@ -57,15 +81,34 @@ def run_cases_on_rank(cases: list[tuple[str, str, Any]]) -> list[dict[str, Any]]
     quiet()
     if not RANK_FUNCTIONS:
         RANK_FUNCTIONS.update(_rank_functions())
+    rank = dist.get_rank()
     results = []
-    for mode, arch, payload in cases:
+    for index, (mode, arch, payload) in enumerate(cases):
         started = time.perf_counter()
         torch.manual_seed(0)
+        watchdog = threading.Timer(case_timeout_s, _give_up, args=(results_directory, f"hang-{index}-{rank}"))
+        watchdog.daemon = True
+        watchdog.start()
         try:
             result = RANK_FUNCTIONS[mode](arch, payload)
         except Exception as error:
             result = {"error": error_line(error, None), "traceback": traceback.format_exc()[-4000:]}
+        finally:
+            watchdog.cancel()
         result["seconds"] = time.perf_counter() - started
-        result["rank"] = dist.get_rank()
+        result["rank"] = rank
+        _record(results_directory, f"{index}-{rank}.pkl", result)
         results.append(result)
+        if len(cases) > 1:
+            try:
+                dist.monitored_barrier(timeout=timedelta(seconds=case_timeout_s))
+            except RuntimeError:
+                _give_up(results_directory, f"desync-{index}-{rank}")
     return results
+
+
+def _give_up(directory: str | None, marker: str) -> None:
+    """End this rank at once (a hung collective cannot be interrupted), leaving ``marker``."""
+    _record(directory, marker, marker)
+    sys.stdout.flush()
+    os._exit(3)

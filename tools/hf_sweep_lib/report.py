@@ -115,6 +115,12 @@ def write_markdown(record: dict[str, Any], path: str) -> None:
         "8 AdamW steps on global batches of 4 x 8 tokens). `ckpt`: 3 steps under dp2 x tp2 ZeRO-3, "
         "`vescale.save`, `vescale.load` into tp4, 2 more steps.",
         "",
+        *(
+            [f"**Partial run: {done} of {meta['architectures']} architectures finished.**", ""]
+            if (done := len(record["results"]) + len(record["not_runnable"]))
+            < meta.get("architectures", done)
+            else []
+        ),
         "## Totals",
         "",
         "| mode | pass | error | silently wrong | pass % of runnable | not runnable in one process |",

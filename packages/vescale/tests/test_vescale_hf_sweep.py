@@ -107,13 +107,13 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
 }
 
 
-def sweep_cases_on_rank(cases: list) -> list:
+def sweep_cases_on_rank(cases: list, case_timeout_s: float, results_directory: str) -> list:
     """The sweep's rank function, reachable from this test file (ranks load it by path)."""
     if TOOLS_DIRECTORY not in sys.path:
         sys.path.insert(0, TOOLS_DIRECTORY)
     from hf_sweep_lib.rank_cases import run_cases_on_rank
 
-    return run_cases_on_rank(cases)
+    return run_cases_on_rank(cases, case_timeout_s, results_directory)
 
 
 class SweepCells(tuple):

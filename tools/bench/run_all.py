@@ -164,6 +164,7 @@ def print_table(rows: list[dict], quick: bool) -> None:
         unit = row.get("unit", "s")
         ours = f"{row['ours_s'] * 1e3:.1f} ms" if unit == "s" else f"{row['ours_s']:.3f}"
         native = f"{row['native_s'] * 1e3:.1f} ms" if unit == "s" else f"{row['native_s']:.3f}"
+        native = "-" if row["native_s"] != row["native_s"] else native  # NaN: no native twin
         spread = f"{row['ratio']:.3f} ({row['ratio_min']:.3f}-{row['ratio_max']:.3f}), {row['blocks']}"
         print(
             f"| {row['bench']} | {row['row']} | {ours} | {native} | {spread} | "

@@ -61,21 +61,29 @@ def _call(
     finally:
         saved = _saved_results(directory, world_size, len(cases))
         shutil.rmtree(directory, ignore_errors=True)
-    finished, markers = saved
+    finished, markers, partial = saved
     index = len(finished)
     if index < len(cases):
-        if any(marker.startswith("hang-") for marker in markers.get(index, [])):
-            failure = Cell.from_error(f"hang: the case did not finish within {case_timeout_s:g} s")
+        raised = [result for result in partial if "error" in result]
+        if raised:
+            # one rank raised and left its peers waiting in a collective: a hang caused by that error
+            others = sorted(set(range(world_size)) - {result["rank"] for result in partial})
+            failure = Cell.from_error(
+                f"rank {raised[0]['rank']} raised, ranks {others} hung: {raised[0]['error']}",
+                traceback=raised[0]["traceback"],
+            )
+            failure.details["error"] = raised[0]["error"]
         elif markers.get(index):
-            failure = Cell.from_error("ranks out of step: a rank ended the case while a peer was still in it")
+            failure = Cell.from_error(f"hang: the case did not finish within {case_timeout_s:g} s")
         return [*finished, failure]
     return finished
 
 
 def _saved_results(
     directory: str, world_size: int, count: int
-) -> tuple[list[list[dict[str, Any]]], dict[int, list[str]]]:
-    """The cases every rank finished (in order, up to the first missing one) and the give-up markers."""
+) -> tuple[list[list[dict[str, Any]]], dict[int, list[str]], list[dict[str, Any]]]:
+    """The cases every rank finished (in order, up to the first missing one), the give-up markers,
+    and the results that some ranks saved for the first case not every rank finished."""
     names = set(os.listdir(directory)) if os.path.isdir(directory) else set()
     markers: dict[int, list[str]] = {}
     for name in names:
@@ -85,13 +93,18 @@ def _saved_results(
     for index in range(count):
         files = [os.path.join(directory, f"{index}-{rank}.pkl") for rank in range(world_size)]
         if not all(os.path.exists(file) for file in files) or index in markers:
-            break
+            partial = []
+            for file in files:
+                if os.path.exists(file):
+                    with open(file, "rb") as result_file:
+                        partial.append(pickle.load(result_file))
+            return finished, markers, partial
         results = []
         for file in files:
             with open(file, "rb") as result_file:
                 results.append(pickle.load(result_file))
         finished.append(results)
-    return finished, markers
+    return finished, markers, []
 
 
 def _in_step(results: list[dict[str, Any]]) -> bool:
@@ -119,7 +132,7 @@ def run_batch(
         remaining = cases[first:]
         for position, results in enumerate(_call(pool, world_size, remaining, case_timeout_s, rank_function)):
             if isinstance(results, Cell):
-                if len(remaining) > 1 and not results.text.startswith("hang: the case"):
+                if len(remaining) > 1 and not results.text.startswith(("hang: the case", "rank ")):
                     # a crash or ranks out of step: the case alone tells its own outcome
                     results = _call(pool, world_size, [remaining[position]], case_timeout_s, rank_function)[0]
                 outcomes.append(results)

@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RANK_FUNCTIONS", "quiet", "run_cases_on_rank"]
+__all__ = ["RAISED_WAIT_S", "RANK_FUNCTIONS", "quiet", "run_cases_on_rank"]
 
 
 def quiet() -> None:
@@ -48,6 +48,8 @@ def _rank_functions() -> dict[str, Callable[[str, Any], dict[str, Any]]]:
     return functions
 
 
+# How long a rank whose case raised waits for its peers before it takes them for hung.
+RAISED_WAIT_S = 30.0
 RANK_FUNCTIONS: dict[str, Callable[[str, Any], dict[str, Any]]] = {}
 
 
@@ -100,8 +102,10 @@ def run_cases_on_rank(
         _record(results_directory, f"{index}-{rank}.pkl", result)
         results.append(result)
         if len(cases) > 1:
+            # A rank that raised waits less: its peers raised too (and come at once) or wait for it.
+            wait_s = RAISED_WAIT_S if "error" in result else case_timeout_s
             try:
-                dist.monitored_barrier(timeout=timedelta(seconds=case_timeout_s))
+                dist.monitored_barrier(timeout=timedelta(seconds=wait_s))
             except RuntimeError:
                 _give_up(results_directory, f"desync-{index}-{rank}")
     return results

@@ -99,7 +99,6 @@ BENCHES: dict[str, tuple[list[str], list[str]]] = {
             "--seq",
             "16",
             "--pairs",
-            "vescale dp4",
             "vescale dp2×tp2 sdpa",
         ],
     ),

@@ -90,6 +90,13 @@ def _escape(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _cell_markdown(text: str) -> str:
+    """A cell's text as markdown: an error line in a code span, so that no part of it renders."""
+    if text == "✔":
+        return text
+    return "`" + _escape(text).replace("`", "'") + "`"
+
+
 def write_markdown(record: dict[str, Any], path: str) -> None:
     """Write the totals per mode, one row per architecture and the not-runnable list to ``path``."""
     modes = record["modes"]
@@ -138,10 +145,12 @@ def write_markdown(record: dict[str, Any], path: str) -> None:
     lines.append("|---|" + "---|" * len(modes))
     for arch in sorted(record["results"]):
         cells = record["results"][arch]
-        row = [_escape(cells[mode]["text"]) if mode in cells else "" for mode in modes]
+        row = [_cell_markdown(cells[mode]["text"]) if mode in cells else "" for mode in modes]
         lines.append(f"| {arch} | " + " | ".join(row) + " |")
     lines += ["", "## Not runnable in one process (excluded from the percentages)", ""]
-    lines += [f"- `{arch}`: {_escape(reason)}" for arch, reason in sorted(record["not_runnable"].items())]
+    lines += [
+        f"- `{arch}`: {_cell_markdown(reason)}" for arch, reason in sorted(record["not_runnable"].items())
+    ]
     with open(path, "w", encoding="utf-8") as output:
         output.write("\n".join(lines) + "\n")
 

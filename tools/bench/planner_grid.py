@@ -164,7 +164,12 @@ def main() -> None:
                         measure_on_rank, world, (model_name, plan.to_json(), args.steps), timeout_s=900
                     )
                 except Exception as error:  # a plan this torch cannot run is reported, the grid goes on
-                    print(f"{world} ranks  {model_name:8s} {name:18s} failed: {str(error).splitlines()[0]}")
+                    mesh = " ".join(f"{d}{s}" for d, s in plan.mesh if s > 1)
+                    print(
+                        f"{world} ranks  {model_name:8s} {name:18s} ({mesh}, "
+                        f"ZeRO-{plan.data_parallel.zero_stage}, {plan.activation_checkpointing}) failed: "
+                        f"{str(error).splitlines()[0]}"
+                    )
                     continue
                 measured = statistics.median(max(rank[i] for rank in times) for i in range(args.steps))
                 predicted = plan.performance.step_time_s
@@ -193,7 +198,10 @@ def _report(rows: list) -> None:
     for world, model_name in sorted({(r[0], r[1]) for r in rows}):
         cell = [r for r in rows if (r[0], r[1]) == (world, model_name)]
         best = min(r[4] for r in cell)
-        choice = next(r for r in cell if r[2] == "planner's choice")
+        choice = next((r for r in cell if r[2] == "planner's choice"), None)
+        if choice is None:
+            print(f"{world} ranks {model_name}: the planner's choice did not run (see its line above)")
+            continue
         plan = choice[5]
         mesh = " ".join(f"{d}{s}" for d, s in plan.mesh if s > 1)
         print(

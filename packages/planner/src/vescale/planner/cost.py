@@ -19,9 +19,10 @@ From the per-op records of the meta-tensor forward (:mod:`vescale.planner.op_cos
   reduce-scatter (ZeRO-2) beyond the last micro-batch's backward it overlaps with, plus
   ZeRO-1/2's parameter all-gather after the step; ZeRO-3's per-block all-gathers and
   reduce-scatters beyond the block compute they are prefetched under (every micro-batch;
-  under a pipeline once per step, as FSDP2 keeps a stage gathered across micro-batches);
+  under a pipeline once per step, as FSDP2 keeps a stage gathered across micro-batches; all
+  of it where the profile says communication does not overlap, as on CPU ranks);
 * **optimizer**: AdamW reads and writes ~28 bytes per local fp32 element (32 with bf16
-  masters), memory-bound.
+  masters), memory-bound, plus the profile's eager ops per parameter tensor (CPU: ~12).
 
 Collectives are alpha-beta rings on the links their axis spans (:mod:`._collectives`). Model
 FLOPs (for MFU) are 3x the forward's matmul and full attention FLOPs: no recomputation.
@@ -65,6 +66,7 @@ class _Part:
     memory_forward: float = 0.0  # of which memory-bound ops (what selective recomputes)
     tp_forward: float = 0.0  # tensor-parallel communication, forward
     parameter_elements: float = 0.0  # local elements after tensor parallelism
+    parameter_tensors: int = 0
 
 
 def _op_seconds(
@@ -145,6 +147,7 @@ def op_parts(profile: ModelProfile, choices: ParallelChoices, hardware: Hardware
         key = record.block if record.block is not None else record.side
         local = record.numel / (tp if tp > 1 and _tp_sharded(choices.sharding_plan, record.fqn) else 1)
         parts.setdefault(key, _Part()).parameter_elements += local
+        parts[key].parameter_tensors += 1
     return parts
 
 
@@ -268,13 +271,25 @@ def predict_step(
         slot = compute + rerun + tensor_parallel
         elements = sum(p.parameter_elements for p in members)
         data_parallel = _data_parallel_seconds(
-            choices, dp_link, elements, grad_bytes, block_members, members, microbatches
+            choices,
+            dp_link,
+            elements,
+            grad_bytes,
+            block_members,
+            members,
+            microbatches,
+            hardware.overlaps_communication,
         )
         local = elements / (dp if choices.zero_stage >= 1 else 1)
+        # Memory-bound, plus the host time of AdamW's per-tensor loop where it has one (CPU),
+        # under DTensor with tensor parallelism.
+        tensors = sum(p.parameter_tensors for p in members)
+        op_seconds = (hardware.dtensor_op_overhead_us if tp > 1 else hardware.op_overhead_us) * 1e-6
         optimizer = (
             local
             * _ADAMW_BYTES[choices.mixed_precision]
             / (hardware.memory_bandwidth * hardware.memory_efficiency)
+            + tensors * hardware.optimizer_ops_per_tensor * op_seconds
         )
         parts_of_stage = {
             "compute": microbatches * compute,
@@ -319,6 +334,7 @@ def _data_parallel_seconds(
     block_members: list[_Part],
     members: list[_Part],
     microbatches: int,
+    overlaps: bool = True,
 ) -> float:
     """Exposed data-parallel communication of one stage per step (module docstring)."""
     if link.size == 1:
@@ -340,6 +356,9 @@ def _data_parallel_seconds(
     for part in block_members:
         gather = all_gather_seconds(link, part.parameter_elements * grad_bytes)
         backward_traffic = gather if rounds == 1 else 2 * gather
+        if not overlaps:  # no streams to prefetch on: every gather and reduce-scatter waits
+            exposed += gather + backward_traffic
+            continue
         exposed += max(0.0, gather - part.forward) + max(0.0, backward_traffic - part.backward)
     outside = sum(p.parameter_elements for p in members) - sum(p.parameter_elements for p in block_members)
     largest_block = max((p.parameter_elements for p in block_members), default=0.0)

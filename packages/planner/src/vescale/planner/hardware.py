@@ -54,7 +54,10 @@ class HardwareProfile:
     ``collective_efficiency`` the fraction of link bandwidth a ring collective reaches;
     ``op_overhead_us`` the host time of one eager op (a small op costs at least that),
     ``matmul_overhead_us`` the fixed cost of one matmul call, ``dtensor_op_overhead_us`` the host
-    time of one op on DTensors (every op of a tensor-parallel model).
+    time of one op on DTensors (every op of a tensor-parallel model); ``overlaps_communication``
+    whether ZeRO-3's prefetched gathers run beside compute (GPU streams: yes; CPU ranks: no);
+    ``optimizer_ops_per_tensor`` the eager ops AdamW runs per parameter tensor (0 where its
+    multi-tensor kernels step them all at once, as on CUDA; ~12 in its per-tensor loop on CPU).
 
     Example::
 
@@ -77,7 +80,9 @@ class HardwareProfile:
     collective_efficiency: float = 0.8
     op_overhead_us: float = 10.0
     matmul_overhead_us: float = 5.0
-    dtensor_op_overhead_us: float = 40.0
+    dtensor_op_overhead_us: float = 10.0
+    overlaps_communication: bool = True
+    optimizer_ops_per_tensor: float = 0.0
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -94,7 +99,10 @@ class HardwareProfile:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if field.type in ("float", "int") and (
-                isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or value < 0
+                or (value == 0 and field.name != "optimizer_ops_per_tensor")
             ):
                 raise PlanError(
                     f"hardware profile {self.name!r}: {field.name}={value!r} must be a positive number"
@@ -253,5 +261,7 @@ def calibrate_cpu(world_size: int = 2) -> HardwareProfile:
         op_overhead_us=measured["op_overhead_s"] * 1e6,
         matmul_overhead_us=measured["fp32_matmul_overhead_s"] * 1e6,
         dtensor_op_overhead_us=measured["dtensor_op_overhead_s"] * 1e6,
+        overlaps_communication=False,
+        optimizer_ops_per_tensor=12.0,
         source=f"measured on this machine by {world_size} gloo ranks at once (vescale plan --calibrate)",
     )

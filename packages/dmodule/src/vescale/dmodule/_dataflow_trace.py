@@ -60,6 +60,9 @@ _PERMUTES = {aten.transpose.int, aten.permute.default, aten.t.default}
 # Their index arguments are addresses: the output holds the source's values only.
 _GATHERS = {aten.index.Tensor, aten.gather.default, aten.index_select.default, aten.take_along_dim.default}
 _REDUCTIONS = {"mean", "sum", "var", "std", "amax", "amin", "norm", "logsumexp"}
+# Ops whose arguments describe the features' layout (a convolution's ``groups`` counts the
+# channels): run on a feature shard, they would compute with the whole tensor's arguments.
+_OPAQUE = {aten.convolution.default, aten._convolution.default, aten.conv1d.default, aten.conv2d.default}
 
 
 @dataclass
@@ -78,6 +81,9 @@ class Projection:
     heads: int | None = None
     routing: bool = False
     log_softmax: bool = False
+    opaque: str = ""
+    """An op its output features reach that mixes or indexes them in a way no plan models
+    (a depthwise convolution's groups), by name; such a projection stays whole."""
 
 
 @dataclass
@@ -88,6 +94,8 @@ class DataflowTrace:
     embeddings: set[str] = field(default_factory=set)
     output_ndims: dict[str, int] = field(default_factory=dict)
     """The number of dims of each module's output (when it is one tensor), by module FQN."""
+    opaque_embeddings: dict[str, str] = field(default_factory=dict)
+    """Embedding tables looked up where a vocabulary-parallel table cannot be, with the reason."""
     tied: list[tuple[str, ...]] = field(default_factory=list)
     """The FQNs of each parameter that has several (tied input and output embeddings)."""
 
@@ -180,9 +188,10 @@ def _splits_one_head(at: Location, moved: Location, before: Sequence[int], after
 
 
 class _Tracer(_compat.torch_dispatch_mode_class()):
-    def __init__(self, parameters: dict[int, list[str]]) -> None:
+    def __init__(self, parameters: dict[int, list[str]], modules: dict[str, nn.Module]) -> None:
         super().__init__()
         self.parameter_names = parameters
+        self.modules = modules
         self.module_stack: list[str] = []
         """FQNs of the modules whose forward is running, outermost first."""
         self.views: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -205,6 +214,26 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
                 if alias.rpartition(".")[0] == module_fqn:
                     return alias
         return aliases[0]
+
+    def _opaque_lookup(self, name: str) -> str:
+        """Why a lookup of table ``name`` cannot be vocabulary-parallel ("" when it can).
+
+        A vocabulary-parallel lookup returns per-rank partial rows, made whole by the owning
+        module's output conversion. Only a plain ``nn.Embedding`` returns the lookup as it is;
+        a module that computes on it first (Inkling's normed embedding, CPM-Ant's position
+        bias) would compute on partial rows.
+        """
+        owner_fqn = name.rpartition(".")[0]
+        owner = self.modules.get(owner_fqn)
+        running = self.module_stack[-1] if self.module_stack else None
+        if not isinstance(owner, nn.Embedding) or type(owner).forward is not nn.Embedding.forward:
+            kind = type(owner).__name__ if owner is not None else "no module"
+            return (
+                f"its lookup runs inside {owner_fqn or '<root>'} ({kind}), which is not a plain nn.Embedding"
+            )
+        if running != owner_fqn:
+            return f"it is looked up outside its own module's forward (in {running or '<root>'})"
+        return ""
 
     def _view_of(self, tensor: Any) -> _ParameterView | None:
         if not isinstance(tensor, torch.Tensor):
@@ -242,7 +271,12 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
     def _record(self, func: Any, args: tuple, kwargs: dict, output: Any) -> None:
         source = args[0] if args else None
         if func is aten.embedding.default:
-            self.trace.embeddings.add(self._parameter_name(source) or "")
+            name = self._parameter_name(source) or ""
+            why = self._opaque_lookup(name)
+            if why:
+                self.trace.opaque_embeddings[name] = why
+            else:
+                self.trace.embeddings.add(name)
             return
         if func in _MATMULS:
             self._record_matmul(func, args, output)
@@ -333,6 +367,11 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
         else:
             return  # a device, a size, a number: no features to carry
         first = tensors[0]
+        if func in _OPAQUE:
+            for flow in flows:
+                for name in flow.features:
+                    self.trace.projections[name].opaque = str(func)
+            return
         if func in _ROUTING or func in _LOG_SOFTMAX:
             self._mark_whole_feature_readers(func, args, first)
         if func is aten.slice.Tensor:
@@ -468,7 +507,7 @@ def trace_dataflow(
     parameters: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         parameters.setdefault(id(parameter), []).append(name)
-    tracer = _Tracer(parameters)
+    tracer = _Tracer(parameters, dict(model.named_modules()))
     trace = tracer.trace
     trace.tied = [tuple(names) for names in parameters.values() if len(names) > 1]
 
@@ -497,5 +536,6 @@ def trace_dataflow(
     finally:
         for handle in handles:
             handle.remove()
-    trace.projections = {name: p for name, p in trace.projections.items() if name not in trace.embeddings}
+    looked_up = trace.embeddings | set(trace.opaque_embeddings)
+    trace.projections = {name: p for name, p in trace.projections.items() if name not in looked_up}
     return trace

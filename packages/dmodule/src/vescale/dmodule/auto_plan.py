@@ -163,6 +163,9 @@ def _decide(trace: DataflowTrace) -> _Decisions:
             continue
         blocked = [p.weight for p in producers if p.routing or p.consumes]
         unequal = [reason for p in producers if (reason := _fused_parts(p)[1])]
+        unequal += [
+            f"{p.weight}'s output reaches {p.opaque}, which no plan shards" for p in producers if p.opaque
+        ]
         if blocked or projection.routing or unequal:
             why = unequal[0] if unequal else f"{name} consumes {blocked or [name]}, which cannot be split"
             for member in [name, *(p.weight for p in producers)]:
@@ -190,6 +193,8 @@ def _decide(trace: DataflowTrace) -> _Decisions:
             decisions[name] = "replicated: its output feeds routing (topk/argmax), which needs all of it"
         else:
             decisions[name] = "replicated: no projection consumes its output, so no column/row pair"
+    for embedding, why in sorted(trace.opaque_embeddings.items()):
+        decisions[embedding] = f"replicated: {why}"
     for embedding in sorted(trace.embeddings):
         decided.embeddings.append(embedding)
         placements[embedding] = "S(0)"

@@ -51,8 +51,13 @@ class GradSync:
         self._pending: dict[int, nn.Parameter] = {}
         self._callback_queued = False
         unique = {id(parameter): parameter for parameter in parameters if isinstance(parameter, DTensor)}
+        # A frozen parameter (AFMoE's expert-load bias) takes no hook; should it be unfrozen later,
+        # its gradient is reduced with the others' at the end of backward (finish_grad_sync).
+        self._frozen = [parameter for parameter in unique.values() if not parameter.requires_grad]
         self._hook_handles = [
-            parameter.register_post_accumulate_grad_hook(self._on_gradient) for parameter in unique.values()
+            parameter.register_post_accumulate_grad_hook(self._on_gradient)
+            for parameter in unique.values()
+            if parameter.requires_grad
         ]
 
     def pending(self) -> list[nn.Parameter]:
@@ -62,6 +67,7 @@ class GradSync:
     def finish_grad_sync(self) -> None:
         """Redistribute every pending gradient to its parameter's placements (collectives run here)."""
         pending, self._pending = self._pending, {}
+        pending.update({id(parameter): parameter for parameter in self._frozen if parameter.grad is not None})
         with torch.no_grad():
             for parameter in pending.values():
                 grad = parameter.grad

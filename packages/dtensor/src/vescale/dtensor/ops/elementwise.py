@@ -20,7 +20,12 @@ import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
-__all__ = ["elementwise_strategies", "floor_divide_scalar_strategy", "floor_divide_strategy"]
+__all__ = [
+    "elementwise_strategies",
+    "floor_divide_scalar_strategy",
+    "floor_divide_strategy",
+    "log_sigmoid_backward_strategy",
+]
 
 aten = torch.ops.aten
 
@@ -80,3 +85,16 @@ def floor_divide_scalar_strategy(
         token_index = sorted_slots // 2
     """
     return elementwise_strategies(self, other)
+
+
+@register_sharding(aten.log_sigmoid_backward.default)
+def log_sigmoid_backward_strategy(
+    grad_output: Any, self: Any, buffer: Any
+) -> list[tuple[list[Placement], list[Placement | None]]]:
+    """The gradient of ``F.logsigmoid`` (Inkling's gates), element-wise in all three tensors.
+
+    Example::
+
+        torch.nn.functional.logsigmoid(sharded_gate).sum().backward()
+    """
+    return elementwise_strategies(grad_output, self, buffer)

@@ -114,6 +114,11 @@ def _column(projection: Projection, parameter: str, split_parts: int) -> str:
 
 def _fused_parts(projection: Projection) -> tuple[int, str]:
     """How many equal fused parts the projection's output is cut into, or 0 and why it cannot be split."""
+    if projection.split_parts > 1 and projection.feature_size % projection.split_parts:
+        return 0, (
+            f"its {projection.feature_size} output features are split into {projection.split_parts} "
+            "parts of unequal size, which InterleavedShard cannot shard"
+        )
     if projection.split_parts > 1 or not projection.slices:
         return projection.split_parts, ""
     cuts = sorted(projection.slices)

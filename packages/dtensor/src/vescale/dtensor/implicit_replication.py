@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 from vescale.dtensor import _compat
 from vescale.dtensor.errors import DTensorError
 from vescale.dtensor.ops.attention import expand_unpaired_key_value_heads
+from vescale.dtensor.replicated_reads import read_replicated_values
 
 __all__ = [
     "ImplicitReplicationError",
@@ -107,6 +108,9 @@ class ReplicatePlainTensorsMode(TorchFunctionMode):
             kwargs = _replicate_plain(kwargs, exemplar)
             if func is torch.nn.functional.scaled_dot_product_attention:
                 args, kwargs = expand_unpaired_key_value_heads(args, kwargs)
+            handled, value = read_replicated_values(func, args, kwargs)
+            if handled:
+                return value
         return func(*args, **kwargs)
 
 

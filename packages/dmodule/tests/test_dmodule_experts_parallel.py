@@ -1,6 +1,6 @@
 """Expert parallelism of untouched transformers MoE models against single-device training.
 
-Mixtral, Qwen3-MoE and DeepSeek-V3, tiny (``vescale.dmodule.experts.testing``: 8 experts,
+Mixtral, Qwen3-MoE and DeepSeek-V3, tiny (``vescale.dmodule.testing.moe_models``: 8 experts,
 top-2, output_router_logits=True, other fields at their defaults), on 4 gloo ranks as
 ep4 and dp2 x ep2. The global batch (8 sequences) is split over the 4 batch ranks; the
 reference is one process training the whole global batch.
@@ -19,7 +19,7 @@ import copy
 import pytest
 import torch
 
-from vescale.dmodule.experts.testing import batch_shard, global_batch, global_mean, tiny_moe
+from vescale.dmodule.testing.moe_models import batch_shard, global_batch, global_mean, tiny_moe
 from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.numerics import gradient_errors, relative_error

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from vescale.dmodule.experts.testing import batch_shard, global_batch, global_mean, tiny_moe
+from vescale.dmodule.testing.moe_models import batch_shard, global_batch, global_mean, tiny_moe
 from vescale.dtensor import init_mesh
 from vescale.dtensor.comm import FORWARD, CommCounter
 from vescale.dtensor.testing import run_on_ranks

@@ -102,11 +102,10 @@ def test_constraints_always_win(llama):
             4,
             "= 8 devices, but the world size is 4",
         ),
-        ({"tensor_parallel.size": 8}, 8, r"does not divide the attention head count\(s\) \[4\]"),
         (
             {"tensor_parallel.size": 16, "devices_per_node": 16, "memory_per_device_gb": 1.0},
             16,
-            r"tensor_parallel.size=16 does not divide the attention head count\(s\) \[4, 8\] \(larger than",
+            r"tensor_parallel.size=16 does not divide the attention head count\(s\) \[8\] \(larger than",
         ),
         ({"memory_per_device_gb": 1e-6}, 2, "no plan fits memory_per_device_gb=0.00"),
         ({}, 1024, "planning for 1024 devices, but this machine has .*hardware profile"),
@@ -120,6 +119,12 @@ def test_constraints_always_win(llama):
 def test_impossible_constraints_are_refused_saying_why(llama, constraints, world_size, message):
     with pytest.raises(ConstraintError, match=message):
         generate_plan(llama, {"sequence_length": 8, **constraints}, world_size=world_size)
+
+
+def test_tensor_parallel_beyond_the_key_value_heads_is_planned(llama):
+    # 8 query heads, 4 key/value heads: at tp=8 the key/value projections are replicated.
+    plan = generate_plan(llama, {"sequence_length": 8, "tensor_parallel.size": 8}, world_size=8)
+    assert dict(plan.mesh)["tp"] == 8
 
 
 def test_gpt2_with_fused_attention_projections_plans_tensor_parallel():

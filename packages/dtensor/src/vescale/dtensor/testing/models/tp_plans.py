@@ -247,6 +247,28 @@ def tensor_parallel_plan(name: str, sequence_parallel: bool) -> dict[str, Parall
     return _PLANS.get(name, _llama_family_plan)(sequence_parallel)
 
 
+def _retie(model: nn.Module, groups: list[list[str]]) -> None:
+    """Make each group of once-tied FQNs one parameter again.
+
+    PyTorch's ``parallelize_module`` distributes each module's parameters on its own, so GPT-2's
+    ``lm_head`` (ColwiseParallel) and ``transformer.wte`` (vocabulary-parallel) come out as two
+    parameters with equal shards; training them apart would not be the single-device model.
+    """
+    for group in groups:
+        keep = model.get_parameter(group[0])
+        for fqn in group[1:]:
+            owner_fqn, _, name = fqn.rpartition(".")
+            owner = model.get_submodule(owner_fqn)
+            other = owner._parameters[name]
+            if (
+                isinstance(keep, DTensor)
+                and isinstance(other, DTensor)
+                and keep.placements != other.placements
+            ):
+                raise ValueError(f"tied {group[0]!r} and {fqn!r} got different placements from the plan")
+            owner._parameters[name] = keep
+
+
 def apply_tensor_parallel(
     model: nn.Module, name: str, mesh: DeviceMesh, sequence_parallel: bool = False
 ) -> ImplicitReplicationHandle:
@@ -257,7 +279,11 @@ def apply_tensor_parallel(
         handle = apply_tensor_parallel(model, "mistral", mesh, sequence_parallel=True)
         loss = model_loss(model, "mistral", input_ids, labels)
     """
+    tied: dict[int, list[str]] = {}
+    for fqn, parameter in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(parameter), []).append(fqn)
     parallelize_module(model, mesh, tensor_parallel_plan(name, sequence_parallel))
+    _retie(model, [fqns for fqns in tied.values() if len(fqns) > 1])
     placement_by_suffix = _PARAMETER_PLACEMENTS.get(name, {})
     for module_name, module in model.named_modules():
         for parameter_name, parameter in list(module.named_parameters(recurse=False)):

@@ -36,7 +36,6 @@ def llama_config(args: argparse.Namespace):
         num_hidden_layers=args.layers,
         num_attention_heads=16,
         num_key_value_heads=16,
-        tie_word_embeddings=False,
     )
 
 

@@ -83,7 +83,6 @@ def _config(hidden: int, layers: int, attention: str = "eager") -> transformers.
         num_key_value_heads=4,
         max_position_embeddings=256,
         attn_implementation=attention,
-        tie_word_embeddings=False,
     )
 
 

@@ -53,7 +53,6 @@ def _config(args: argparse.Namespace) -> transformers.LlamaConfig:
         num_key_value_heads=max(1, args.heads // 4),
         max_position_embeddings=max(args.seq, 256),
         attn_implementation="sdpa",
-        tie_word_embeddings=False,
     )
 
 

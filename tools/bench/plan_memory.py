@@ -83,7 +83,6 @@ def llama_config():
         vocab_size=4096,
         max_position_embeddings=SEQUENCE_LENGTH,
         attn_implementation="sdpa",
-        tie_word_embeddings=False,
     )
 
 

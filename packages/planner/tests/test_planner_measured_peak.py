@@ -37,7 +37,6 @@ def llama_config():
         vocab_size=4096,
         max_position_embeddings=SEQUENCE,
         attn_implementation="sdpa",
-        tie_word_embeddings=False,
     )
 
 

@@ -58,7 +58,6 @@ def _llama(hidden: int, intermediate: int, layers: int, heads: int) -> torch.nn.
         vocab_size=128256,
         max_position_embeddings=8192,
         use_cache=False,
-        tie_word_embeddings=False,
     )
     with torch.device("meta"):
         return transformers.LlamaForCausalLM(config)

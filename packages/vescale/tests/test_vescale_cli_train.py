@@ -41,7 +41,6 @@ TINY_LLAMA = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=256,
-    tie_word_embeddings=False,
 )
 # rich wraps no table cell the tests look for; one thread per rank, as the reference runs.
 ENVIRONMENT = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1"}

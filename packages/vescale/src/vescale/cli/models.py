@@ -48,7 +48,6 @@ PRESETS: dict[str, ModelPreset] = {
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=256,
-            tie_word_embeddings=False,
         ),
         "byte-level Llama, 4 layers, hidden 128 (~0.9M parameters); the train default",
     ),

@@ -453,8 +453,13 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
         dim = _norm_dim(args[2] if len(args) > 2 else 0, source.ndim)
         flow = self._flow(source)
         for name, at in flow.features.items():
+            projection = self.trace.projections[name]
+            # A split after the head split cuts heads into groups (DiffLlama's two halves of its
+            # value heads), not fused parts: only the whole output of a projection is fused.
+            if projection.heads is not None:
+                continue
             if at[0] == dim and len(outputs) > 1 and len({out.shape[dim] for out in outputs}) == 1:
-                self.trace.projections[name].split_parts = len(outputs)
+                projection.split_parts = len(outputs)
         for out in outputs:
             features = {
                 name: (at[0], at[1], min(at[2], out.shape[at[0]])) for name, at in flow.features.items()

@@ -18,7 +18,7 @@ plan for a tensor-parallel size ``tp``:
 Example::
 
     layouts = parse_head_layouts({r"layers\\.\\d+\\.attn\\.k_proj\\.weight": [2, 8]})
-    apply_head_layouts(layouts, resolved_parameters, module_shapes, mesh_shape=(4,), mesh_dim=0)
+    apply_head_layouts(layouts, resolved_parameters, list(parameter_fqns), mesh_shape=(4,), mesh_dim=0)
 """
 
 from __future__ import annotations

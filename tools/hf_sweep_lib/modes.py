@@ -26,7 +26,7 @@ from hf_sweep_lib.parallelize_modes import (
     STEPS,
     reference_losses,
 )
-from hf_sweep_lib.tp_modes import TP_MODES, reference_step
+from hf_sweep_lib.tp_modes import TP_MODES, exact_reference_step, reference_step
 
 __all__ = ["MODES", "Mode", "References"]
 
@@ -46,6 +46,10 @@ class References:
     def step(self) -> tuple[float, dict, dict]:
         """Loss, gradients and initial ``state_dict`` of one step."""
         return self.get("step", reference_step)
+
+    def exact_step(self) -> tuple[float, dict] | None:
+        """The same step in float64 (None where the model refuses float64): the noise floor."""
+        return self.get("exact_step", lambda arch: exact_reference_step(arch, self.step()[2]))
 
     def losses(self) -> list[float]:
         """The losses of single-process training (``hf_sweep_lib.parallelize_modes``)."""
@@ -82,7 +86,12 @@ def _tp_mode(name: str, tp: int, sequence_parallel: bool) -> Mode:
         reference_loss, reference_gradients, _ = references.step()
         seconds = max(result["seconds"] for result in results)
         return judge_step(
-            results[0]["loss"], results[0]["gradients"], reference_loss, reference_gradients, seconds
+            results[0]["loss"],
+            results[0]["gradients"],
+            reference_loss,
+            reference_gradients,
+            seconds,
+            exact=references.exact_step(),
         )
 
     return Mode(name, tp, payload, judge)

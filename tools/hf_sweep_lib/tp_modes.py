@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TP_MODES", "reference_step", "tp_step_on_rank"]
+__all__ = ["TP_MODES", "exact_reference_step", "reference_step", "tp_step_on_rank"]
 
 # mode name: (tensor-parallel size, sequence parallel)
 TP_MODES = {"tp2": (2, False), "tp2-sp": (2, True), "tp4": (4, False)}
@@ -45,6 +45,39 @@ def reference_step(
         for name, param in model.named_parameters()
     }
     return loss.item(), gradients, state_dict
+
+
+def exact_reference_step(
+    arch: str, state_dict: dict[str, torch.Tensor]
+) -> tuple[float, dict[str, torch.Tensor | None]] | None:
+    """The same step in float64 from the same weights, or None where the model refuses float64.
+
+    It measures the float32 reference's own rounding error on each compared number (the noise
+    floor that :func:`hf_sweep_lib.cells.judge_step` allows for): on an ill-conditioned case
+    (XLM scores its input tokens themselves, so its loss is 1e-3) float32 alone is 5e-5 from the exact loss.
+    """
+    from hf_sweep_lib.rank_cases import quiet
+    from vescale.dtensor.testing.models.hf_architectures import (
+        build_tiny_causal_lm,
+        causal_lm_loss,
+        tiny_causal_lm_batch,
+    )
+
+    quiet()
+    try:
+        model = build_tiny_causal_lm(arch)
+        model.load_state_dict(state_dict)
+        model.double()
+        # transformers' loss upcasts logits to float32 only: from float64 logits it rounds once, at the end
+        loss = causal_lm_loss(model, *tiny_causal_lm_batch())
+        loss.backward()
+    except Exception:  # a model with a float32-only op has no exact reference: plain bounds apply
+        return None
+    gradients = {
+        name: None if param.grad is None else param.grad.detach().clone()
+        for name, param in model.named_parameters()
+    }
+    return loss.item(), gradients
 
 
 def tp_step_on_rank(arch: str, payload: dict[str, Any]) -> dict[str, Any]:

@@ -15,11 +15,15 @@ the dp slices and micro-batches hold unequal token counts: only token weighting 
 reference's gradients (the test checks that training on the plain mean of
 the four dp slices' mean losses misses the bound by more than 10x).
 
-Compared quantity: the loss ``out.loss.item()`` of each of the 20 steps on every rank, which
-must be the whole global batch's loss, against the reference's loss of that step. The runs
-differ by float32 summation order (tp partial sums, dp/micro-batch accumulation, the weighted
-sum of the pieces' losses), ~1e-7 relative per step, which AdamW amplifies over the steps;
-the bound is the issue's 1e-4 relative (relative = |parallel - reference| / |reference|).
+Compared quantities: the loss ``out.loss.item()`` of each of the 20 steps on every rank, which
+must be the whole global batch's loss, against the reference's loss of that step; and every
+parameter's gradient of the first step, read back from one plain SGD step of the same plan
+(``sgd_step_gradients``), against the reference's (``vescale.dtensor.testing.reference``). The
+runs differ by float32 summation order (tp partial sums, dp/micro-batch accumulation, the
+weighted sum of the pieces' losses), ~1e-7 relative per step, which AdamW amplifies over the
+steps; the loss bound is the issue's 1e-4 relative (relative = |parallel - reference| /
+|reference|). Losses alone would hide a wrong gradient (x4 on one gradient moves the AdamW
+losses by 3.5e-7): the gradient bound is set from its measured floor (see ``GRAD_RTOL``).
 """
 
 from __future__ import annotations
@@ -33,8 +37,24 @@ import transformers
 import vescale
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
+from vescale.dtensor.testing.numerics import (
+    assert_close_by_fqn,
+    assert_losses_close,
+    full_parameters,
+    max_relative_error,
+    sgd_step_gradients,
+)
+from vescale.dtensor.testing.reference import ReferenceRun, model_loss, train_reference
 
 LOSS_RTOL = 1e-4
+# First-step gradients, worst FQN over every parameter, measured on the 12 (model, plan) runs:
+# 3.2e-7 to 8.2e-7 relative (mixtral dp2xtp2+sp+zero2 the largest): float32 reordering of the
+# same sums. The bound, 1e-5, is 12x that floor; a gradient off by x2 (x4) errs by 1.0 (3.0).
+GRAD_RTOL = 1e-5
+# One plain SGD step reads back the gradient the optimizer applied, wherever it lived (ZeRO-2
+# shards, DDP buckets): (before - after) / lr. A large lr keeps the parameters' own rounding
+# (ulp(1.0) of a norm weight = 1.2e-7) out of it: it adds ulp / lr.
+SGD_LR = 1e3
 STEPS = 20
 GLOBAL_BATCH = 8
 SEQ_LEN = 8
@@ -69,89 +89,84 @@ def optimizer_fn(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
 
 
-def reference_losses(model_name: str) -> list[float]:
-    torch.set_num_threads(1)
+def sgd_fn(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=SGD_LR)
+
+
+def reference_run(model_name: str, loss_fn=model_loss) -> ReferenceRun:
     config = tiny_hf_config(model_name)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    optimizer = optimizer_fn(model)
+    data_loader = torch.utils.data.DataLoader(build_dataset(config.vocab_size), batch_size=GLOBAL_BATCH)
+    return train_reference(
+        lambda: transformers.AutoModelForCausalLM.from_config(config),
+        data_loader,
+        optimizer_fn,
+        loss_fn=loss_fn,
+    )
+
+
+def unweighted_slices_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The plain mean of 4 equal slices' mean losses: what dp4 without token weighting computes."""
+    rows = GLOBAL_BATCH // WORLD_SIZE
+    slices = [
+        {key: value[i : i + rows] for key, value in batch.items()} for i in range(0, GLOBAL_BATCH, rows)
+    ]
+    return sum(model(**piece).loss for piece in slices) / len(slices)
+
+
+def rfc_script(model_name: str, plan_name: str, make_optimizer, steps: int) -> tuple[list[float], dict, dict]:
+    """The RFC's script with ``plan_name`` for ``steps`` steps: losses, mesh, full parameters before/after."""
+    config = tiny_hf_config(model_name)
+    vescale.manual_seed(0)
+    model = vescale.deferred_init(transformers.AutoModelForCausalLM.from_config, config)
+    constraints = {"global_batch_size": GLOBAL_BATCH, **CONSTRAINED_PLANS[plan_name]}
+    plan = vescale.generate_plan(model, constraints)
+    dataset = build_dataset(config.vocab_size)[: steps * GLOBAL_BATCH]
+    model, optimizer, _, data_loader = vescale.parallelize(plan, model, make_optimizer, None, dataset)
+    inner = getattr(model, "module", model)  # data parallel wraps the model (FQNs gain "module.")
+    before = full_parameters(inner)
     losses = []
-    for batch in torch.utils.data.DataLoader(build_dataset(config.vocab_size), batch_size=GLOBAL_BATCH):
+    for batch in data_loader:
         optimizer.zero_grad()
         loss = model(**batch).loss
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return losses
+    return losses, dict(plan.mesh), (before, full_parameters(inner))
 
 
-def unweighted_slices_losses(model_name: str) -> list[float]:
-    """The reference's training with each step's loss the plain mean of 4 equal slices' mean losses.
-
-    What dp4 without token weighting computes; the test checks it really differs from the reference.
-    """
-    torch.set_num_threads(1)
-    config = tiny_hf_config(model_name)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    optimizer = optimizer_fn(model)
-    losses = []
-    for batch in torch.utils.data.DataLoader(build_dataset(config.vocab_size), batch_size=GLOBAL_BATCH):
-        optimizer.zero_grad()
-        rows = GLOBAL_BATCH // WORLD_SIZE
-        slices = [
-            {key: value[i : i + rows] for key, value in batch.items()} for i in range(0, GLOBAL_BATCH, rows)
-        ]
-        loss = sum(model(**piece).loss for piece in slices) / len(slices)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
-def max_relative_error(losses: list[float], reference: list[float]) -> float:
-    return max(abs(loss - expected) / abs(expected) for loss, expected in zip(losses, reference, strict=True))
-
-
-def rfc_script_losses(model_name: str, plan_names: list[str]) -> dict[str, tuple[list[float], dict]]:
-    """The RFC's script once per plan; returns each plan's per-step losses and mesh."""
-    config = tiny_hf_config(model_name)
-    dataset = build_dataset(config.vocab_size)
+def rfc_script_runs(model_name: str, plan_names: list[str]) -> dict[str, dict]:
+    """Per plan: the AdamW run's losses and mesh, and the gradients of one SGD step."""
     results = {}
     for plan_name in plan_names:
         start = time.perf_counter()
-        vescale.manual_seed(0)
-        model = vescale.deferred_init(transformers.AutoModelForCausalLM.from_config, config)
-        constraints = {"global_batch_size": GLOBAL_BATCH, **CONSTRAINED_PLANS[plan_name]}
-        plan = vescale.generate_plan(model, constraints)
-        model, optimizer, _, data_loader = vescale.parallelize(plan, model, optimizer_fn, None, dataset)
-        losses = []
-        for batch in data_loader:
-            optimizer.zero_grad()
-            loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-        results[plan_name] = (losses, dict(plan.mesh), time.perf_counter() - start)
+        losses, mesh, _ = rfc_script(model_name, plan_name, optimizer_fn, STEPS)
+        _, _, (before, after) = rfc_script(model_name, plan_name, sgd_fn, 1)
+        gradients = sgd_step_gradients(before, after, SGD_LR)
+        results[plan_name] = dict(
+            losses=losses, mesh=mesh, gradients=gradients, seconds=time.perf_counter() - start
+        )
     return results
 
 
 @pytest.mark.parametrize("model_name", ["llama", "gpt2", "mixtral"])
-def test_rfc_script_on_4_ranks_matches_single_device_losses(model_name: str):
+def test_rfc_script_on_4_ranks_matches_single_device_losses_and_gradients(model_name: str):
     plan_names = list(CONSTRAINED_PLANS)
-    reference = reference_losses(model_name)
+    reference = reference_run(model_name)
     # The padding must matter: without token weighting the losses would miss the bound by 10x.
-    assert max_relative_error(unweighted_slices_losses(model_name), reference) > 10 * LOSS_RTOL
+    unweighted = reference_run(model_name, unweighted_slices_loss)
+    assert max_relative_error(unweighted.losses, reference.losses) > 10 * LOSS_RTOL
     results = run_on_ranks(
-        rfc_script_losses, world_size=WORLD_SIZE, args=(model_name, plan_names), timeout_s=600
+        rfc_script_runs, world_size=WORLD_SIZE, args=(model_name, plan_names), timeout_s=600
     )
     for rank, per_plan in enumerate(results):
         assert sorted(per_plan) == sorted(plan_names)
-        for plan_name, (losses, mesh, seconds) in per_plan.items():
-            assert len(losses) == STEPS, (plan_name, len(losses))
-            worst = max_relative_error(losses, reference)
+        for plan_name, run in per_plan.items():
+            label = f"{model_name} {plan_name} {run['mesh']} rank {rank}"
+            loss_error = assert_losses_close(run["losses"], reference.losses, LOSS_RTOL)
+            gradient_error = assert_close_by_fqn(
+                run["gradients"], reference.gradients[0], GRAD_RTOL, f"{label}: first-step gradient"
+            )
             if rank == 0:
                 print(
-                    f"{model_name} {plan_name} {mesh}: max relative loss error {worst:.2e} ({seconds:.1f} s)"
+                    f"{label}: loss {loss_error:.2e}, gradient {gradient_error:.2e} ({run['seconds']:.1f} s)"
                 )
-            assert worst <= LOSS_RTOL, (model_name, plan_name, rank, losses, reference)

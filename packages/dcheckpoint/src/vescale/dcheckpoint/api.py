@@ -62,7 +62,7 @@ class LoadResult:
 
 
 def save(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     state: dict[str, Any],
     *,
     async_save: bool = False,
@@ -152,7 +152,7 @@ def _restore_rng(index: CheckpointIndex, rank: int, world_size: int) -> None:
     RNGState.restore(index.rng[rank % len(index.rng)])
 
 
-def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True) -> LoadResult:
+def load(path: str | os.PathLike[str], state: dict[str, Any], *, strict: bool = True) -> LoadResult:
     """Load a checkpoint into ``state`` in place, resharding every tensor to its current layout.
 
     ``path`` is a checkpoint directory or its parent (then ``latest`` names the checkpoint).

@@ -30,7 +30,8 @@ __all__ = ["AsyncSave", "background_group", "start_async_save", "wait_for_pendin
 _pending: AsyncSave | None = None
 # The background thread's group and the default group it was made from: a new default group
 # (torch.distributed re-initialised) needs a new one.
-_group: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+# (the default group it was made under, the saving thread's group)
+_group: tuple[dist.ProcessGroup | None, dist.ProcessGroup] | None = None
 
 
 class AsyncSave:

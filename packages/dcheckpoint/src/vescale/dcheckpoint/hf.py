@@ -51,7 +51,7 @@ __all__ = ["DEFAULT_MAX_SHARD_BYTES", "export_hf", "load_hf"]
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 
-def load_hf(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool = True) -> LoadResult:
+def load_hf(model: nn.Module, hf_dir: str | os.PathLike[str], *, strict: bool = True) -> LoadResult:
     """Load a Hugging Face safetensors checkpoint into ``model`` in place; every rank calls it.
 
     ``model`` may hold DTensor parameters in any layout (tensor parallel, ZeRO-3) or only its
@@ -107,8 +107,8 @@ def _plan_shards(names: list[str], sizes: dict[str, int], max_shard_bytes: int) 
 
 
 def export_hf(
-    checkpoint_path: str | os.PathLike,
-    out_dir: str | os.PathLike,
+    checkpoint_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
     *,
     prefix: str = "model",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -189,7 +189,7 @@ def _write_hf_file(
         for record in records:
             full = torch.empty(record.shape, dtype=record.dtype)
             reader.read_box(record, Box((0,) * len(record.shape), record.shape), full)
-            file.write(memoryview(full.reshape(-1).view(torch.uint8).numpy()))
+            file.write(full.reshape(-1).view(torch.uint8).numpy().data)
             del full  # before the next tensor's buffer: one tensor in memory at a time
         file.flush()
         os.fsync(file.fileno())

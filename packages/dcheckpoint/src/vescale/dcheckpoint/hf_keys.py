@@ -147,7 +147,10 @@ def check_on_every_rank(match: KeyMatch, in_files: set[str], hf_dir: str, *, str
         if world_size == 1
         else [json.loads(raw) for raw in all_gather_bytes(json.dumps(payload).encode())]
     )
-    where = (lambda other: f" (on rank {other})") if world_size > 1 else (lambda other: "")
+
+    def where(other: int) -> str:
+        return f" (on rank {other})" if world_size > 1 else ""
+
     for other, found in enumerate(gathered):
         if found["problems"]:
             raise CheckpointMismatchError(found["problems"][0] + where(other))

@@ -151,7 +151,7 @@ def _ints(value: Any, where: str, length: int | None = None) -> tuple[int, ...]:
     return tuple(_int(item, where) for item in value)
 
 
-def _dict(value: Any, where: str) -> dict:
+def _dict(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise _fail(where, f"expected a mapping, got {type(value).__name__}")
     return value

@@ -19,7 +19,9 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -77,7 +79,9 @@ class LocalBox:
 
 
 # DeviceMesh.mesh rebuilds its rank tensor on every access; a save touches it once per tensor.
-_MESH_DESCRIPTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MESH_DESCRIPTIONS: weakref.WeakKeyDictionary[DeviceMesh, tuple[tuple[int, ...], tuple[int, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _mesh_description(mesh: DeviceMesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -149,7 +153,7 @@ class TensorLayout:
 
     def _placements_and_dims(self) -> list[tuple[str, Placement | InterleavedShard, int | None]]:
         """Each mesh dim's placement text, placement and tensor dim (``None`` for Replicate), checked."""
-        parsed = []
+        parsed: list[tuple[str, Placement | InterleavedShard, int | None]] = []
         for text in self.placements:
             try:
                 placement = placement_from_string(text)
@@ -165,7 +169,9 @@ class TensorLayout:
             parsed.append((text, placement, placement.dim % len(self.shape)))
         return parsed
 
-    def _application_order(self, parsed: list[tuple[str, object, int | None]]) -> tuple[list[int], set[int]]:
+    def _application_order(
+        self, parsed: Sequence[tuple[str, object, int | None]]
+    ) -> tuple[list[int], set[int]]:
         """The mesh dims in the order their placements cut the tensor, and the strided ones.
 
         FSDP2 shards a tensor-parallel parameter over dp *within* each tp shard: ``(dp, tp)``
@@ -213,7 +219,8 @@ class TensorLayout:
             total = sum(length for _, length in intervals[dim])
             if interleaved:
                 sharded_by_interleaved.add(dim)
-                parts = placement.interleaved_size
+                # ``interleaved`` above established that the placement is an InterleavedShard.
+                parts = cast(InterleavedShard, placement).interleaved_size
                 part_length = total // parts
                 start, length = _chunk_range(part_length, mesh_size, index)
                 intervals[dim] = [

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 # A tensor's description: [shape, dtype name, mesh shape, mesh ranks, placements, is plain].
-Description = list
+Description = list[Any]
 # Per tensor name, every distinct description some rank holds it in, with the ranks that gave it.
 LayoutUnion = dict[str, list[tuple[Description, list[int]]]]
 
@@ -152,12 +153,12 @@ def union_box_holders(held: list[tuple[Description, list[int]]]) -> list[tuple[B
     tiling = min(per_layout, key=len)
     covering = []
     for box, _ in tiling:
-        ranks: set[int] = set()
+        covering_ranks: set[int] = set()
         for boxes in per_layout:
-            for held, holders in boxes:
-                if _contains(held, box):
-                    ranks.update(holders)
-        covering.append((box, tuple(sorted(ranks))))
+            for held_box, holders in boxes:
+                if _contains(held_box, box):
+                    covering_ranks.update(holders)
+        covering.append((box, tuple(sorted(covering_ranks))))
     return covering
 
 

@@ -179,8 +179,8 @@ class ShardReader:
             # Straight into the target's memory: no copy, and no second buffer, so exporting a
             # tensor needs only its own size in memory.
             direct = target.detach().reshape(-1).view(torch.uint8).numpy()
-            self._read_region(chunk, in_chunk, sizes, itemsize, memoryview(direct))
-            return zlib.crc32(direct)
+            self._read_region(chunk, in_chunk, sizes, itemsize, direct.data)
+            return zlib.crc32(direct.data)
         # Otherwise through a bounded buffer, slab by slab along the region's first dim: the slabs
         # are consecutive in the file, so the CRC carries over from one to the next.
         if not sizes:

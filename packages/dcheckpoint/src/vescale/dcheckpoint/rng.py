@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import base64
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from vescale.dcheckpoint.errors import CheckpointFormatError
 
@@ -51,7 +52,9 @@ class RNGState:
     @staticmethod
     def capture() -> dict[str, Any]:
         """This rank's generator states as JSON."""
-        numpy_state = np.random.get_state()
+        # The global generator is the legacy MT19937 one, whose state is a tuple; numpy's stubs
+        # give the no-argument call the dict of ``legacy=False``.
+        numpy_state = cast(tuple[str, "NDArray[np.uint32]", int, int, float], np.random.get_state())
         captured: dict[str, Any] = {
             "torch": _encode_bytes(torch.get_rng_state()),
             "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],

@@ -132,6 +132,7 @@ def parse_header_length(prefix: bytes, file_name: str, file_size: int) -> int:
             f"shard file {file_name!r} is truncated ({file_size} bytes, less than the 8-byte header "
             "length); the save that wrote it did not finish: load an earlier checkpoint"
         )
+    header_length: int
     (header_length,) = struct.unpack("<Q", prefix[:8])
     if header_length > min(MAX_HEADER_BYTES, file_size - 8):
         raise CheckpointFormatError(

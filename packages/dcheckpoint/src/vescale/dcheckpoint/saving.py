@@ -88,7 +88,7 @@ def _plan_save(
     return plan_union_chunks(union), _entries({name: held[0][0] for name, held in union.items()}), True
 
 
-def _entries(description: dict[str, list]) -> dict[str, dict[str, Any]]:
+def _entries(description: dict[str, list[Any]]) -> dict[str, dict[str, Any]]:
     # The layout a tensor was saved from is informational: loads reshard from the chunks.
     return {
         name: {"shape": shape, "dtype": dtype, "mesh_shape": mesh_shape, "placements": placements}
@@ -152,9 +152,10 @@ def prepare_staging(state: dict[str, Any]) -> int:
     return reserve_staging([chunk for chunk in plan if chunk.writer_rank == rank])
 
 
-def _index_body(staged: StagedSave, payloads: list[dict]) -> dict[str, Any]:
+def _index_body(staged: StagedSave, payloads: list[dict[str, Any]]) -> dict[str, Any]:
     boxes = {chunk_key(chunk.name, chunk.box): chunk.box for chunk in staged.plan}
-    files, chunks_by_name = [], {name: [] for name in staged.entries}
+    files: list[dict[str, Any]] = []
+    chunks_by_name: dict[str, list[dict[str, Any]]] = {name: [] for name in staged.entries}
     for payload in payloads:
         record = payload["file"]
         if record is None:
@@ -188,7 +189,7 @@ def _index_body(staged: StagedSave, payloads: list[dict]) -> dict[str, Any]:
     }
 
 
-def _commit(staged: StagedSave, payloads: list[dict]) -> None:
+def _commit(staged: StagedSave, payloads: list[dict[str, Any]]) -> None:
     temporary = atomic.temporary_directory(staged.final)
     (temporary / INDEX_NAME).write_bytes(encode_index(_index_body(staged, payloads)))
     atomic.fsync_file(temporary / INDEX_NAME)

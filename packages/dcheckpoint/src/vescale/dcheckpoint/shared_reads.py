@@ -77,7 +77,7 @@ class SharedReads:
         if agreed is None:
             every_rank = list(range(rank_and_world_size()[1]))
             agreed = {name: [(described, every_rank)] for name, described in description.items()}
-        boxes = []
+        boxes: list[tuple[str, Box, tuple[int, ...]]] = []
         for name, held in agreed.items():
             holders: dict[Box, set[int]] = {}
             for described, describers in held:

@@ -144,7 +144,7 @@ class StateRestore:
         """
         if not strict:
             return
-        payload = {
+        payload: dict[str, Any] = {
             "problems": self.problems,
             "used": {key: sorted(usage.used) for key, usage in self.usage.items()},
             "missing": {key: sorted(usage.missing) for key, usage in self.usage.items()},

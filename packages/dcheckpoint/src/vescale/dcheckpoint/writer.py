@@ -217,7 +217,7 @@ def _staging_buffer(nbytes: int) -> torch.Tensor:
 def _write_piece(file: BinaryIO, piece: torch.Tensor) -> int:
     raw = piece.reshape(-1).view(torch.uint8).numpy()
     file.write(raw.data)
-    return zlib.crc32(raw)
+    return zlib.crc32(raw.data)
 
 
 def write_shard_file(path: Path, chunks: list[PlannedChunk], pieces: list[torch.Tensor]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ def _missing(what: str) -> PrivateTorchAPIError:
     )
 
 
-def fake_tensor_mode() -> AbstractContextManager:
+def fake_tensor_mode() -> AbstractContextManager[Any]:
     """A ``FakeTensorMode`` that also accepts real tensors (the model's parameters) as inputs."""
     try:
         fake_tensor_module = importlib.import_module("torch._subclasses.fake_tensor")
@@ -49,6 +50,7 @@ def fake_tensor_mode() -> AbstractContextManager:
     if mode_class is None:
         raise _missing("torch._subclasses.fake_tensor.FakeTensorMode")
     try:
-        return mode_class(allow_non_fake_inputs=True)
+        mode: AbstractContextManager[Any] = mode_class(allow_non_fake_inputs=True)
+        return mode
     except TypeError as error:
         raise _missing("FakeTensorMode(allow_non_fake_inputs=...)") from error

@@ -80,7 +80,7 @@ class ActivationMeter:
             # the nodes off the weight-gradient path (their input pass retains the graph).
             return _SavedActivation(tensor.detach(), self, storage_key)
 
-        def unpack(packed: object) -> torch.Tensor:
+        def unpack(packed: _SavedActivation | torch.Tensor) -> torch.Tensor:
             return packed.tensor if isinstance(packed, _SavedActivation) else packed
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

@@ -32,4 +32,6 @@ class _BackwardAlreadyRan(torch.autograd.Function):
 
 def loss_with_backward_done(anchor: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     """``loss``'s value, requiring grad through ``anchor``, with a backward that does nothing."""
-    return _BackwardAlreadyRan.apply(anchor, loss)
+    # torch leaves Function.apply unannotated.
+    result: torch.Tensor = _BackwardAlreadyRan.apply(anchor, loss)  # type: ignore[no-untyped-call]
+    return result

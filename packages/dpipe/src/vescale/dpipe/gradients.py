@@ -89,7 +89,7 @@ def finish_pipeline_gradients(
     *,
     local_stages: list[int],
     num_microbatches: int,
-    pp_group: dist.ProcessGroup,
+    pp_group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> None:
     """Scale, sum tied copies over ``pp_group`` and re-deliver the gradients through autograd.

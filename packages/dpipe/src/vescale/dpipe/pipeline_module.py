@@ -82,16 +82,16 @@ class PipelineModule(nn.Module):
             PipelineStageModule(model, router, index, model_kwargs, self.activation_meter)
             for index in self.stage_indices
         ]
-        self._schedules: dict[tuple, Any] = {}
+        self._schedules: dict[tuple[Any, ...], Any] = {}
         self._anchor = torch.zeros((), requires_grad=True)
 
     def forward(self, **batch: Any) -> Any:
         batch_size = _batch_size(batch)
-        if batch_size % self.plan.num_microbatches:
+        if batch_size % self.plan.microbatch_count:
             raise MicrobatchError(
-                f"a batch of {batch_size} samples cannot be cut into {self.plan.num_microbatches} equal "
+                f"a batch of {batch_size} samples cannot be cut into {self.plan.microbatch_count} equal "
                 f"micro-batches; use a batch size that is a multiple of num_microbatches="
-                f"{self.plan.num_microbatches}"
+                f"{self.plan.microbatch_count}"
             )
         training = self.training and torch.is_grad_enabled()
         has_labels = batch.get("labels") is not None
@@ -109,7 +109,7 @@ class PipelineModule(nn.Module):
                 self.module.parameters(),
                 self._tied_parameters,
                 local_stages=self.stage_indices,
-                num_microbatches=self.plan.num_microbatches,
+                num_microbatches=self.plan.microbatch_count,
                 pp_group=self.pp_group,
                 device=self.device,
             )
@@ -120,7 +120,7 @@ class PipelineModule(nn.Module):
         last_stage_module = self._stage_modules[-1]
         if last_stage_module.is_last:
             # A new schedule's first step also runs PyTorch's shape-inference forward: keep the last m.
-            logits = torch.cat(last_stage_module.logits[-self.plan.num_microbatches :])
+            logits = torch.cat(last_stage_module.logits[-self.plan.microbatch_count :])
         return self._output_type(loss=loss, logits=logits)
 
     # The model's own FQNs, without this wrapper's ``module.`` prefix: a checkpoint, an optimizer
@@ -141,7 +141,7 @@ class PipelineModule(nn.Module):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(
@@ -236,7 +236,8 @@ def pipeline_parallelize(
         pipe = pipeline_parallelize(model, init_mesh(pp=2), PipelinePlan(size=2, num_microbatches=2))
         loss = pipe(input_ids=input_ids, labels=labels).loss
     """
-    pp_size = mesh.size(mesh.mesh_dim_names.index("pp")) if mesh is not None and _has_pp(mesh) else None
+    pp_mesh_dim = _pp_mesh_dim(mesh) if mesh is not None else None
+    pp_size = mesh.size(pp_mesh_dim) if mesh is not None and pp_mesh_dim is not None else None
     if mesh is not None and pp_size is None:
         raise PipelinePlanError(
             f"the mesh {mesh.mesh_dim_names} has no 'pp' dimension; build it with init_mesh(pp=...)"
@@ -249,5 +250,6 @@ def pipeline_parallelize(
     return PipelineModule(model, plan, layout, trace, mesh)
 
 
-def _has_pp(mesh: DeviceMesh) -> bool:
-    return mesh.mesh_dim_names is not None and "pp" in mesh.mesh_dim_names
+def _pp_mesh_dim(mesh: DeviceMesh) -> int | None:
+    names = mesh.mesh_dim_names
+    return names.index("pp") if names is not None and "pp" in names else None

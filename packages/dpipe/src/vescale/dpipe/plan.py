@@ -77,6 +77,21 @@ class PipelinePlan:
         self._check_schedule()
 
     @property
+    def microbatch_count(self) -> int:
+        """``num_microbatches`` after its default (the number of stages) is applied.
+
+        Example::
+
+            assert PipelinePlan(size=2, virtual_stages=2).microbatch_count == 4
+        """
+        if self.num_microbatches is None:  # __post_init__ sets it; None means it was bypassed
+            raise PipelinePlanError(
+                "PipelinePlan.num_microbatches is unset; build the plan with PipelinePlan(...) or "
+                "PipelinePlan.from_dict(...), which default it to the number of stages"
+            )
+        return self.num_microbatches
+
+    @property
     def num_stages(self) -> int:
         """The number of stages the model is cut into (``size * virtual_stages``)."""
         return self.size * self.virtual_stages
@@ -110,14 +125,15 @@ class PipelinePlan:
                 f"schedule 'zbv' places exactly 2 stages per rank in a V; set virtual_stages=2, "
                 f"got {self.virtual_stages}"
             )
-        if self.schedule == "1f1b" and self.num_microbatches < self.size:
+        num_microbatches = self.microbatch_count
+        if self.schedule == "1f1b" and num_microbatches < self.size:
             raise PipelinePlanError(
                 f"schedule '1f1b' needs at least as many micro-batches as stages: num_microbatches="
                 f"{self.num_microbatches} < size={self.size}; raise num_microbatches or use 'gpipe'"
             )
         if self.schedule in ("interleaved_1f1b", "zero_bubble"):
-            rounds = max(1, self.num_microbatches // self.size)
-            if self.num_microbatches % rounds:
+            rounds = max(1, num_microbatches // self.size)
+            if num_microbatches % rounds:
                 raise PipelinePlanError(
                     f"schedule {self.schedule!r} needs num_microbatches to be a multiple of the "
                     f"number of rounds ({rounds}); got {self.num_microbatches}. Use a multiple of "

@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -22,13 +23,14 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from vescale.dpipe.plan import PipelinePlan
 
 __all__ = ["build_schedule", "local_stage_indices"]
 
-_SINGLE_STAGE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-_MULTI_STAGE = {
+_SINGLE_STAGE: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+_MULTI_STAGE: dict[str, type[PipelineScheduleMulti]] = {
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zero_bubble": ScheduleInterleavedZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
@@ -49,8 +51,8 @@ def local_stage_indices(plan: PipelinePlan, pp_rank: int) -> list[int]:
 
 
 def build_schedule(
-    plan: PipelinePlan, stages: list[PipelineStage], loss_fn: Callable | None
-) -> ScheduleGPipe | Schedule1F1B | ScheduleInterleaved1F1B:
+    plan: PipelinePlan, stages: list[PipelineStage], loss_fn: Callable[..., Any] | None
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
     """PyTorch's schedule named by ``plan.schedule`` over this rank's ``stages``.
 
     Example::
@@ -60,6 +62,9 @@ def build_schedule(
     """
     if plan.schedule in _SINGLE_STAGE:
         return _SINGLE_STAGE[plan.schedule](
-            stages[0], plan.num_microbatches, loss_fn=loss_fn, scale_grads=False
+            stages[0], plan.microbatch_count, loss_fn=loss_fn, scale_grads=False
         )
-    return _MULTI_STAGE[plan.schedule](stages, plan.num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    # torch types the stage list as list[_PipelineStageBase] (invariant); it only reads it.
+    return _MULTI_STAGE[plan.schedule](
+        list(stages), plan.microbatch_count, loss_fn=loss_fn, scale_grads=False
+    )

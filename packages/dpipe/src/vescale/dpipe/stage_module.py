@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,11 +41,12 @@ class _StageExit(Exception):
         self.hidden_state = hidden_state
 
 
-def _hidden_state_of(module_fqn: str, args: tuple, kwargs: dict) -> torch.Tensor:
+def _hidden_state_of(module_fqn: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
     if args and isinstance(args[0], torch.Tensor):
         return args[0]
-    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-        return kwargs["hidden_states"]
+    hidden_states = kwargs.get("hidden_states")
+    if isinstance(hidden_states, torch.Tensor):
+        return hidden_states
     raise PipelineCutError(
         f"cannot cut before {module_fqn!r}: its first argument is not a tensor (nor is a "
         "'hidden_states' keyword), so there is no hidden state to pass between stages"
@@ -103,8 +105,14 @@ class StageRouter:
         # An instance attribute shadows the class's forward; the model class stays untouched.
         unit.forward = types.MethodType(gated_forward, unit)
 
-    def _boundary_hook(self, boundary_fqn: str, boundary_index: int):
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def _boundary_hook(
+        self, boundary_fqn: str, boundary_index: int
+    ) -> Callable[
+        [nn.Module, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]] | None
+    ]:
+        def hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
             if self.active_stage == boundary_index:
                 raise _StageExit(_hidden_state_of(boundary_fqn, args, kwargs))
             if self.active_stage == boundary_index + 1:
@@ -130,7 +138,7 @@ class PipelineStageModule(nn.Module):
         model: nn.Module,
         router: StageRouter,
         stage_index: int,
-        model_kwargs: dict,
+        model_kwargs: dict[str, Any],
         activation_meter: ActivationMeter | None = None,
     ) -> None:
         super().__init__()

@@ -22,6 +22,8 @@ Example::
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -55,7 +57,7 @@ LOSS_RTOL = 1e-4
 NUM_MICROBATCHES = 4
 
 
-def schedule_plan(schedule: str, pp_size: int) -> dict:
+def schedule_plan(schedule: str, pp_size: int) -> dict[str, Any]:
     """The ``PipelinePlan`` dict of the acceptance runs: 4 micro-batches, 2 virtual stages where allowed.
 
     Example::
@@ -71,7 +73,7 @@ def schedule_plan(schedule: str, pp_size: int) -> dict:
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 # (model name, mesh dims, PipelinePlan dict): the rows of tools/dpipe_accuracy.py's table.
-ACCEPTANCE_CASES: list[tuple[str, dict[str, int], dict]] = [
+ACCEPTANCE_CASES: list[tuple[str, dict[str, int], dict[str, Any]]] = [
     (model_name, mesh_dims, schedule_plan(schedule, mesh_dims["pp"]))
     for model_name in ("llama", "gpt2")
     for mesh_dims in ({"pp": 2}, {"pp": 4}, {"pp": 2, "tp": 2})
@@ -98,6 +100,12 @@ def build_model(model_name: str) -> nn.Module:
     return build_tiny_hf_model("llama", num_hidden_layers=8)
 
 
+def _vocab_size(model: nn.Module) -> int:
+    # A transformers model; nn.Module's __getattr__ types ``config`` as Tensor | Module.
+    config: Any = model.config
+    return int(config.vocab_size)
+
+
 def training_batches(vocab_size: int) -> list[torch.Tensor]:
     """The token batches of the :data:`STEPS` steps (labels are the inputs; the model shifts them).
 
@@ -110,7 +118,7 @@ def training_batches(vocab_size: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab_size, (GLOBAL_BATCH, SEQ_LEN), generator=generator) for _ in range(STEPS)]
 
 
-def _optimizer(parameters) -> torch.optim.Optimizer:
+def _optimizer(parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(parameters, lr=LEARNING_RATE)
 
 
@@ -128,7 +136,7 @@ def reference_training_losses(model_name: str) -> list[float]:
         model = build_model(model_name)
         optimizer = _optimizer(model.parameters())
         losses = []
-        for input_ids in training_batches(model.config.vocab_size):
+        for input_ids in training_batches(_vocab_size(model)):
             loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
             loss.backward()
             optimizer.step()
@@ -140,7 +148,7 @@ def reference_training_losses(model_name: str) -> list[float]:
 
 
 def pipeline_training_losses(
-    model_name: str, mesh_dims: dict[str, int], plan_dict: dict, zero_stage: int = 1
+    model_name: str, mesh_dims: dict[str, int], plan_dict: dict[str, Any], zero_stage: int = 1
 ) -> list[float]:
     """Run on every rank of ``mesh_dims`` (``pp``, optionally ``dp``/``tp``): each step's batch loss.
 
@@ -153,7 +161,8 @@ def pipeline_training_losses(
     """
     from vescale.dtensor import init_mesh
 
-    mesh = init_mesh(**mesh_dims)
+    # mesh_dims holds only dim sizes, never init_mesh's device_type keyword.
+    mesh = init_mesh(**cast(dict[str, Any], mesh_dims))
     model = build_model(model_name)
     if "tp" in mesh_dims:
         import vescale.dmodule
@@ -166,14 +175,16 @@ def pipeline_training_losses(
         from vescale.doptim import DistributedOptimizer, data_parallel
 
         data_parallel(pipe, mesh, zero_stage=zero_stage, mesh_dim="dp")
-        optimizer = DistributedOptimizer(_optimizer(pipe.parameters()))
+        optimizer: DistributedOptimizer | torch.optim.Optimizer = DistributedOptimizer(
+            _optimizer(pipe.parameters())
+        )
         dp_size, dp_rank = mesh_dims["dp"], mesh.get_local_rank("dp")
     else:
         optimizer = _optimizer(pipe.parameters())
         dp_size, dp_rank = 1, 0
     rows = GLOBAL_BATCH // dp_size
     losses = []
-    for input_ids in training_batches(model.config.vocab_size):
+    for input_ids in training_batches(_vocab_size(model)):
         local_ids = input_ids[dp_rank * rows : (dp_rank + 1) * rows]
         out = pipe(input_ids=local_ids, labels=local_ids)
         out.loss.backward()
@@ -187,7 +198,7 @@ def pipeline_training_losses(
     return losses
 
 
-def _tensor_parallel_plan(model: nn.Module) -> dict:
+def _tensor_parallel_plan(model: nn.Module) -> dict[str, Any]:
     """dmodule's automatic plan, with the input embedding of a tied model given its head's placement.
 
     On a tied GPT-2 the automatic plan sees the shared table once, under ``lm_head.weight``
@@ -198,7 +209,8 @@ def _tensor_parallel_plan(model: nn.Module) -> dict:
     import vescale.dmodule
 
     plan = vescale.dmodule.auto_sharding_plan(model).to_dict()
-    input_embedding, output_embedding = model.get_input_embeddings(), model.get_output_embeddings()
+    hf_model: Any = model  # a transformers model; nn.Module's __getattr__ hides its methods' types
+    input_embedding, output_embedding = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
     if output_embedding is not None and input_embedding.weight is output_embedding.weight:
         names = {module: fqn for fqn, module in model.named_modules()}
         head_placement = next(

@@ -13,7 +13,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,16 +71,16 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
     returns_tensor: dict[str, bool] = {}
     flop_counter = FlopCounterMode(display=False)
 
-    def before(fqn: str):
-        def hook(module: nn.Module, args: tuple) -> None:
+    def before(fqn: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if fqn not in call_index:
                 call_index[fqn] = len(call_index)
                 flops_before[fqn] = flop_counter.get_total_flops()
 
         return hook
 
-    def after(fqn: str):
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+    def after(fqn: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if fqn not in forward_flops:
                 forward_flops[fqn] = flop_counter.get_total_flops() - flops_before[fqn]
                 returns_tensor[fqn] = isinstance(output, torch.Tensor)

@@ -94,7 +94,7 @@ _DELETE = object()
         ("data_paralel", {"size": 2}, r"unknown plan field 'data_paralel'; did you mean 'data_parallel'\?"),
         ("mesh.cp", 2, r"plan field mesh has unknown dimension\(s\) \['cp'\]"),
         ("mesh.tp", 0, "plan field mesh.tp must be a positive integer, got 0"),
-        ("mesh.ep", 2, "plan field mesh.ep must be 1"),
+        ("mesh.ep", 3, r"global_batch_size=8 does not split into dp=2 x ep=3 ranks"),
         ("mesh.dp", 4, "plan field data_parallel.size=2 differs from mesh.dp=4"),
         (
             "data_parallel.zero_stage",

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -28,8 +29,12 @@ class PrivateTorchAPIError(RuntimeError):
     """A private PyTorch attribute that vescale.doptim relies on is missing or changed."""
 
 
-def _autograd_engine() -> object:
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+class _AutogradEngine(Protocol):
+    def queue_callback(self, callback: Callable[[], None]) -> None: ...
+
+
+def _autograd_engine() -> _AutogradEngine:
+    engine: _AutogradEngine | None = getattr(torch.autograd.Variable, "_execution_engine", None)
     if engine is None or not callable(getattr(engine, "queue_callback", None)):
         raise PrivateTorchAPIError(
             "torch.autograd.Variable._execution_engine.queue_callback is missing in torch "

@@ -22,19 +22,40 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["Bucket", "ParamSlot", "build_buckets", "local_tensor"]
+__all__ = ["Bucket", "ParamSlot", "ReductionGroup", "build_buckets", "local_tensor"]
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor this rank stores: a DTensor's local shard, a plain tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass(frozen=True)
+class ReductionGroup:
+    """The ranks a bucket's gradients are summed over, and what the sum is divided by.
+
+    Plain data parallel: every data-parallel rank, divided by their number. Under expert
+    parallelism (data parallel over dp x ep) an expert parameter sharded over ``ep`` holds every
+    ep rank's contribution already: it sums over ``dp`` only, divided by dp x ep all the same.
+
+    Example::
+
+        ReductionGroup(dims=("dp",), group=mesh.get_group("dp"), size=2, rank=0, divisor=4)
+    """
+
+    dims: tuple[str, ...]
+    group: Any
+    size: int
+    rank: int
+    divisor: int
 
 
 @dataclass
@@ -69,6 +90,13 @@ class Bucket:
     # ZeRO-2: this rank's chunk of the averaged bucket (the full buffer is not reduced).
     grad_chunk: torch.Tensor | None = None
     ready: set[int] = field(default_factory=set)
+    # The group the bucket is reduced over (None: the DDP's whole dp group, divided by dp_size).
+    reduction: ReductionGroup | None = None
+
+    @property
+    def divisor(self) -> int:
+        """What the summed gradients are divided by: the ranks the batch is split over."""
+        return self.reduction.divisor if self.reduction is not None else self.dp_size
 
     @property
     def chunk_numel(self) -> int:
@@ -104,10 +132,13 @@ def build_buckets(
     dp_size: int,
     grad_dtype: torch.dtype,
     lazy: bool = False,
+    reduction_of: Callable[[nn.Parameter], ReductionGroup] | None = None,
 ) -> list[Bucket]:
     """Pack the parameters, last first, into buckets of at most ``bucket_size_bytes`` and one parameter
     dtype each (one parameter larger than that gets a bucket of its own). ``lazy=True`` allocates no
-    gradient buffer until a gradient arrives (ZeRO-2).
+    gradient buffer until a gradient arrives (ZeRO-2). ``reduction_of`` gives each parameter its
+    :class:`ReductionGroup` (a bucket holds one; its chunks are that group's); without it every
+    bucket is reduced over the ``dp_size`` ranks.
 
     Example::
 
@@ -121,7 +152,12 @@ def build_buckets(
         param_bytes = local_tensor(param).numel() * element_size
         # One parameter dtype per bucket: ZeRO all-gathers a bucket's parameters as one flat tensor.
         dtype_changes = bool(groups[-1]) and groups[-1][-1][1].dtype != param.dtype
-        if groups[-1] and (dtype_changes or group_bytes + param_bytes > bucket_size_bytes):
+        group_changes = (
+            bool(groups[-1])
+            and reduction_of is not None
+            and reduction_of(groups[-1][-1][1]) != reduction_of(param)
+        )
+        if groups[-1] and (dtype_changes or group_changes or group_bytes + param_bytes > bucket_size_bytes):
             groups.append([])
             group_bytes = 0
         groups[-1].append((fqn, param))
@@ -133,9 +169,11 @@ def build_buckets(
             local = local_tensor(param)
             slots.append(ParamSlot(fqn, param, offset, local.numel(), local.shape))
             offset += local.numel()
-        padded_numel = -(-offset // dp_size) * dp_size
+        reduction = reduction_of(group[0][1]) if reduction_of is not None else None
+        size = reduction.size if reduction is not None else dp_size
+        padded_numel = -(-offset // size) * size
         device = local_tensor(group[0][1]).device
-        bucket = Bucket(index, slots, padded_numel, dp_size, grad_dtype, device)
+        bucket = Bucket(index, slots, padded_numel, size, grad_dtype, device, reduction=reduction)
         if not lazy:
             bucket.allocate_grad_buffer()
         buckets.append(bucket)

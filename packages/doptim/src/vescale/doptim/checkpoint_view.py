@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 
 from vescale.doptim.ddp import DDP
+from vescale.doptim.errors import DataParallelMeshError
 from vescale.doptim.sharded_optimizer import ShardedOptimizer
 from vescale.doptim.state_dict import install_param_state, local_states
 from vescale.doptim.zero import ParamShard
@@ -48,7 +49,7 @@ def dp_shard_placements(param: torch.Tensor, ddp: DDP) -> tuple[Any, ...]:
 
         dp_shard_placements(tp_column_weight, ddp)   # (Shard(1), Shard(0)) on a (dp, tp) mesh
     """
-    dp_index = ddp.device_mesh.mesh_dim_names.index(ddp.mesh_dim)
+    dp_index = _dp_mesh_index(ddp)
     if isinstance(param, DTensor):
         placements = list(param.placements)
     else:
@@ -59,11 +60,21 @@ def dp_shard_placements(param: torch.Tensor, ddp: DDP) -> tuple[Any, ...]:
     return tuple(placements)
 
 
+def _dp_mesh_index(ddp: DDP) -> int:
+    names = ddp.device_mesh.mesh_dim_names
+    if names is None:  # DDP names its mesh dim, so its mesh has names
+        raise DataParallelMeshError(
+            f"the data-parallel mesh has no dim names, so its dim {ddp.mesh_dim!r} cannot be found; "
+            "build the mesh with init_mesh(dp=...)"
+        )
+    return names.index(ddp.mesh_dim)
+
+
 def _dp_sharded(shard: ParamShard, ddp: DDP, local: torch.Tensor) -> DTensor:
     """This rank's dp piece of ``local`` (the whole state of the parameter's local tensor), as a DTensor."""
     param = shard.param
     placements = dp_shard_placements(param, ddp)
-    dp_index = ddp.device_mesh.mesh_dim_names.index(ddp.mesh_dim)
+    dp_index = _dp_mesh_index(ddp)
     piece = local
     dp_placement = placements[dp_index]
     if isinstance(dp_placement, Shard):
@@ -82,7 +93,7 @@ def _dp_sharded(shard: ParamShard, ddp: DDP, local: torch.Tensor) -> DTensor:
     )
 
 
-class _GroupView(dict):
+class _GroupView(dict[str, Any]):
     """A parameter group over the model's parameters whose updates reach the optimizer's group."""
 
     def __init__(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
@@ -94,12 +105,12 @@ class _GroupView(dict):
         if key != "params":
             self.group[key] = value
 
-    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+    def update(self, *args: Any, **kwargs: Any) -> None:
         for key, value in dict(*args, **kwargs).items():
             self[key] = value
 
 
-class _StateView(dict):
+class _StateView(dict[torch.Tensor, dict[str, Any]]):
     """``{model parameter: state}``; assigning a parameter's state stores this rank's part of it (and
     its ``MASTER_WEIGHT`` into the weights)."""
 
@@ -134,7 +145,8 @@ class OptimizerCheckpointView(Optimizer):
             # ZeRO-3 keys its state by the model's parameters already; writes still go through
             # install_param_state, which takes a saved MASTER_WEIGHT into the (fp32) parameters.
             self.param_groups = optimizer.param_groups
-            self.state = _StateView(optimizer)
+            # torch types Optimizer.state as a defaultdict; what reads the view needs a mapping.
+            self.state = _StateView(optimizer)  # type: ignore[assignment]
             for param, param_state in optimizer.state.items():
                 dict.__setitem__(self.state, param, param_state)
             return
@@ -154,7 +166,7 @@ class OptimizerCheckpointView(Optimizer):
             snapshot.setdefault(shard.param, {})[name] = value
         for param, param_state in snapshot.items():
             dict.__setitem__(state, param, param_state)
-        self.state = state
+        self.state = state  # type: ignore[assignment]  # a mapping, as above
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Not a training optimizer: step the DistributedOptimizer it views."""

@@ -107,6 +107,15 @@ def clip_grad_norm_(
         raise DataParallelMeshError(
             f"the gradients live on {len(meshes)} different meshes; clip each model's parameters separately"
         )
+    if meshes:
+        # A plain-tensor gradient beside DTensor ones (e.g. a router next to experts sharded over ep)
+        # is the same on every rank of the mesh: count it on coordinate 0 of every dim only, or the
+        # all-reduces below would add it once per rank.
+        mesh = next(iter(meshes.values()))
+        pieces = [
+            piece if piece.mesh is not None else GradPiece(piece.grad, mesh, piece.sharded_dims)
+            for piece in pieces
+        ]
     norm_type = float(norm_type)
     owned = [piece.grad for piece in pieces if piece.owned()]
     zero = torch.zeros((), dtype=torch.float32, device=pieces[0].grad.device)

@@ -30,10 +30,11 @@ import torch.distributed.fsdp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
-from vescale.doptim.ddp import DATA_PARALLEL_ATTRIBUTE, DDP, data_parallel_of, dp_mesh_dim_index
+from vescale.doptim.ddp import DATA_PARALLEL_ATTRIBUTE, DDP, data_parallel_of, dp_mesh_dims
 from vescale.doptim.errors import DataParallelConfigError, DataParallelMeshError
+from vescale.doptim.mesh_groups import mesh_dims_group
 from vescale.doptim.reduction import RankOrderedReduceScatter
 
 __all__ = ["ZERO_STAGES", "FullyShardedState", "data_parallel"]
@@ -47,15 +48,17 @@ class FullyShardedState:
 
     module: nn.Module
     device_mesh: DeviceMesh
-    mesh_dim: str
+    mesh_dim: str | tuple[str, ...]
     deterministic: bool = False
     compute_dtype: torch.dtype | None = None
     zero_stage: int = 3
 
     @property
     def dp_rank(self) -> int:
-        """This rank's coordinate on the data-parallel mesh dim."""
-        return self.device_mesh.get_local_rank(self.mesh_dim)
+        """This rank's coordinate on the data-parallel mesh dim(s), flattened (outer first)."""
+        if isinstance(self.mesh_dim, str):
+            return self.device_mesh.get_local_rank(self.mesh_dim)
+        return mesh_dims_group(self.device_mesh, self.mesh_dim)[2]
 
     def finish_grad_sync(self) -> None:
         """FSDP2 reduce-scatters during backward and waits at its end: nothing is left to do."""
@@ -111,14 +114,82 @@ def _mixed_precision_policy(model: nn.Module, compute_dtype: torch.dtype | None)
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
 
+def _batch_sharded_units(model: nn.Module, dims: tuple[str, ...]) -> list[tuple[nn.Module, tuple[str, ...]]]:
+    """The modules whose own parameters are sharded over some of the data-parallel ``dims`` (experts
+    over ep), each with the dims it is replicated on: FSDP2 shards those over the rest only."""
+    units = []
+    for module in model.modules():
+        own = [param for param in module._parameters.values() if isinstance(param, DTensor)]
+        if not own:
+            continue
+        names = own[0].device_mesh.mesh_dim_names
+        kinds = {
+            tuple(dim for dim in dims if isinstance(param.placements[names.index(dim)], Replicate))
+            for param in own
+        }
+        replicated = next(iter(kinds))
+        if len(kinds) == 1 and replicated == dims:
+            continue
+        if len(kinds) > 1 or not replicated:
+            raise DataParallelMeshError(
+                f"{type(module).__name__} mixes parameters sharded and replicated over {dims}, or shards "
+                f"over all of them; zero_stage=3 over {dims} shards a module's parameters over the dims "
+                "they are replicated on: give its parameters one layout"
+            )
+        units.append((module, replicated))
+    return units
+
+
+def _apply_zero3_over_dims(
+    model: nn.Module, device_mesh: DeviceMesh, dims: tuple[str, ...], deterministic: bool, mp_policy: Any
+) -> None:
+    """ZeRO-3 over several data-parallel dims (dp x ep): modules with parameters sharded over some of
+    them (experts over ep) are FSDP units over the others, their gradients divided by every batch
+    rank all the same; the rest are units over all of ``dims``."""
+    mesh_dims_class = torch.distributed.fsdp.DataParallelMeshDims
+    spmd_mesh = _parameters_mesh_object(model, device_mesh)
+    divisor = mesh_dims_group(device_mesh, dims)[1]
+    special = _batch_sharded_units(model, dims)
+    for unit, replicated in special:
+        shard = replicated[0] if len(replicated) == 1 else replicated
+        fully_shard(unit, mesh=spmd_mesh, dp_mesh_dims=mesh_dims_class(shard=shard), mp_policy=mp_policy)
+        # Divided by every batch rank, not by the dp ranks it is reduced over; a sum then a division
+        # (gloo has no pre-multiplied sum, which a custom factor would otherwise use).
+        unit.set_gradient_divide_factor(float(divisor))
+        unit.set_force_sum_reduction_for_comms(True)
+        if deterministic:
+            unit.set_custom_reduce_scatter(RankOrderedReduceScatter())
+    for unit in _fully_shard_units(model):
+        if any(unit is done for done, _ in special):
+            continue
+        fully_shard(unit, mesh=spmd_mesh, dp_mesh_dims=mesh_dims_class(shard=dims), mp_policy=mp_policy)
+        if deterministic:
+            unit.set_custom_reduce_scatter(RankOrderedReduceScatter())
+
+
 def _apply_zero3(
     model: nn.Module,
     device_mesh: DeviceMesh,
-    mesh_dim: str,
+    mesh_dim: str | tuple[str, ...],
     deterministic: bool,
     compute_dtype: torch.dtype | None,
 ) -> FullyShardedState:
     on_mesh = any(isinstance(param, DTensor) for param in model.parameters())
+    dims = dp_mesh_dims(device_mesh, mesh_dim)
+    if len(dims) > 1:
+        if not on_mesh or getattr(torch.distributed.fsdp, "DataParallelMeshDims", None) is None:
+            raise DataParallelConfigError(
+                f"zero_stage=3 over several mesh dims {dims} needs every parameter a DTensor on the mesh "
+                "(parallelize_module(model, mesh, {'parameter': {}}) makes them Replicate) and torch >= 2.13"
+            )
+        _apply_zero3_over_dims(
+            model, device_mesh, dims, deterministic, _mixed_precision_policy(model, compute_dtype)
+        )
+        state = FullyShardedState(model, device_mesh, dims, deterministic, compute_dtype)
+        setattr(model, DATA_PARALLEL_ATTRIBUTE, state)
+        for param in model.parameters():
+            setattr(param, DATA_PARALLEL_ATTRIBUTE, state)
+        return state
     # Public since torch 2.13; torch 2.11 (which veScale supports too) has no FSDP2 entry point
     # for parameters that already live on the whole dp x tp mesh.
     mesh_dims_class = getattr(torch.distributed.fsdp, "DataParallelMeshDims", None)
@@ -151,11 +222,14 @@ def data_parallel(
     device_mesh: DeviceMesh,
     *,
     zero_stage: int = 0,
-    mesh_dim: str = "dp",
+    mesh_dim: str | tuple[str, ...] = "dp",
     compute_dtype: torch.dtype | None = None,
     **ddp_options: Any,
 ) -> nn.Module:
     """Make ``model`` data parallel over ``device_mesh[mesh_dim]`` at ``zero_stage``, in place; return it.
+
+    ``mesh_dim=("dp", "ep")`` is data parallel over dp x ep (expert parallelism): parameters
+    sharded over ep (experts) are reduced, and under ZeRO sharded, over dp only.
 
     ``ddp_options`` go to :class:`~vescale.doptim.DDP` (stages 0-2): ``bucket_size_mb``,
     ``overlap``, ``grad_dtype``, ``deterministic``, ``find_unused_parameters``; stage 3 takes
@@ -174,7 +248,7 @@ def data_parallel(
         raise DataParallelConfigError(
             "the model is data-parallel already; apply data_parallel once per model"
         )
-    dp_mesh_dim_index(device_mesh, mesh_dim)
+    dp_mesh_dims(device_mesh, mesh_dim)
     if zero_stage < 3 and compute_dtype is not None:
         raise DataParallelConfigError(
             f"compute_dtype is for zero_stage=3 (FSDP2's mixed precision), not {zero_stage}; under stages "

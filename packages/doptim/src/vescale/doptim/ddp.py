@@ -38,14 +38,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from vescale.doptim import _compat
-from vescale.doptim.buckets import Bucket, ParamSlot, build_buckets, local_tensor
+from vescale.doptim.buckets import Bucket, ParamSlot, ReductionGroup, build_buckets, local_tensor
 from vescale.doptim.errors import DataParallelConfigError, DataParallelMeshError
+from vescale.doptim.mesh_groups import mesh_dims_group
 from vescale.doptim.reduction import BucketReduction, start_reduction
 
-__all__ = ["DATA_PARALLEL_ATTRIBUTE", "DDP", "MAX_BUCKETS_IN_FLIGHT", "data_parallel_of", "dp_mesh_dim_index"]
+__all__ = [
+    "DATA_PARALLEL_ATTRIBUTE",
+    "DDP",
+    "MAX_BUCKETS_IN_FLIGHT",
+    "data_parallel_of",
+    "dp_mesh_dim_index",
+    "dp_mesh_dims",
+]
 
 # The module and each of its parameters carry their DDP under this attribute.
 DATA_PARALLEL_ATTRIBUTE = "_vescale_data_parallel"
@@ -63,6 +71,24 @@ def dp_mesh_dim_index(device_mesh: DeviceMesh, mesh_dim: str) -> int:
             f"that dim, e.g. init_mesh({mesh_dim}=2, tp=2), or pass one of {names}"
         )
     return names.index(mesh_dim)
+
+
+def dp_mesh_dims(device_mesh: DeviceMesh, mesh_dim: str | tuple[str, ...]) -> tuple[str, ...]:
+    """``mesh_dim`` as a tuple of data-parallel mesh dims (``"dp"`` or ``("dp", "ep")``), each checked.
+
+    Example::
+
+        dp_mesh_dims(init_mesh(dp=2, ep=2), ("dp", "ep"))   # ('dp', 'ep')
+    """
+    dims = (mesh_dim,) if isinstance(mesh_dim, str) else tuple(mesh_dim)
+    if not dims or len(set(dims)) != len(dims):
+        raise DataParallelMeshError(
+            f"mesh_dim={mesh_dim!r} must name one data-parallel mesh dim or several distinct ones, "
+            "e.g. 'dp' or ('dp', 'ep')"
+        )
+    for dim in dims:
+        dp_mesh_dim_index(device_mesh, dim)
+    return dims
 
 
 def _weak_gradient_hook(ddp: DDP) -> Callable[[torch.Tensor], None]:
@@ -96,7 +122,9 @@ def data_parallel_of(module_or_param: nn.Module | torch.Tensor) -> DDP | None:
     return getattr(module_or_param, DATA_PARALLEL_ATTRIBUTE, None)
 
 
-def _check_parameter_mesh(fqn: str, param: torch.Tensor, device_mesh: DeviceMesh, dp_index: int) -> None:
+def _check_parameter_mesh(
+    fqn: str, param: torch.Tensor, device_mesh: DeviceMesh, dims: tuple[str, ...]
+) -> None:
     if not isinstance(param, DTensor):
         return
     if param.device_mesh != device_mesh:
@@ -104,7 +132,20 @@ def _check_parameter_mesh(fqn: str, param: torch.Tensor, device_mesh: DeviceMesh
             f"parameter {fqn!r} lives on {param.device_mesh}, not on the data-parallel mesh {device_mesh}; "
             "parallelize the model on the same mesh you give to DDP/data_parallel"
         )
-    placement = param.placements[dp_index]
+    names = device_mesh.mesh_dim_names
+    placement = param.placements[names.index(dims[0])]
+    if len(dims) > 1:
+        # Over several batch dims (dp x ep), a parameter sharded over one of them (an expert over ep)
+        # holds that dim's whole gradient already and is reduced over the others.
+        for dim in dims:
+            placement = param.placements[names.index(dim)]
+            if not isinstance(placement, Replicate | Shard):
+                raise DataParallelMeshError(
+                    f"parameter {fqn!r} is {placement} on the data-parallel mesh dim {dim!r}; DDP over "
+                    f"{dims} takes parameters replicated or sharded (experts over ep) on each of them"
+                )
+        return
+    dp_index = names.index(dims[0])
     if not isinstance(placement, Replicate):
         raise DataParallelMeshError(
             f"parameter {fqn!r} is {placement} on the data-parallel mesh dim {dp_index}; DDP averages "
@@ -115,6 +156,11 @@ def _check_parameter_mesh(fqn: str, param: torch.Tensor, device_mesh: DeviceMesh
 
 class DDP:
     """Average a module's gradients over ``device_mesh[mesh_dim]`` in contiguous buckets.
+
+    ``mesh_dim`` may name several dims, ``("dp", "ep")`` under expert parallelism: the batch is
+    split over all of them, each gradient is divided by their number of ranks, and a parameter
+    sharded over one of them (an expert over ``ep``, whose gradient the all-to-all already summed
+    over the ep ranks' tokens) is summed over the others only (its buckets' ZeRO chunks too).
 
     ``overlap=False`` starts every bucket's reduction when backward ends instead of as soon
     as the bucket is ready. ``deterministic=True`` sums the ranks' gradients in rank order
@@ -140,7 +186,7 @@ class DDP:
         module: nn.Module,
         device_mesh: DeviceMesh,
         *,
-        mesh_dim: str = "dp",
+        mesh_dim: str | tuple[str, ...] = "dp",
         bucket_size_mb: float = 25,
         overlap: bool = True,
         grad_dtype: torch.dtype = torch.float32,
@@ -159,16 +205,15 @@ class DDP:
             raise DataParallelConfigError(
                 "the module is data-parallel already; apply DDP/data_parallel once per model"
             )
-        dp_index = dp_mesh_dim_index(device_mesh, mesh_dim)
+        self.mesh_dims = dp_mesh_dims(device_mesh, mesh_dim)
         named_parameters = [(fqn, param) for fqn, param in module.named_parameters() if param.requires_grad]
         for fqn, param in named_parameters:
-            _check_parameter_mesh(fqn, param, device_mesh, dp_index)
+            _check_parameter_mesh(fqn, param, device_mesh, self.mesh_dims)
         self.module = module
         self.device_mesh = device_mesh
         self.mesh_dim = mesh_dim
-        self.dp_group = device_mesh.get_group(mesh_dim)
-        self.dp_size = device_mesh.size(dp_index)
-        self.dp_rank = device_mesh.get_local_rank(mesh_dim)
+        self.dp_group, self.dp_size, self.dp_rank = mesh_dims_group(device_mesh, self.mesh_dims)
+        self._reductions_by_dims: dict[tuple[str, ...], ReductionGroup] = {}
         self.overlap = overlap
         self.grad_dtype = grad_dtype
         self.deterministic = deterministic
@@ -183,6 +228,7 @@ class DDP:
             dp_size=self.dp_size,
             grad_dtype=grad_dtype,
             lazy=zero_stage == 2,
+            reduction_of=self.reduction_of,
         )
         self._slot_of: dict[int, tuple[Bucket, int]] = {}
         for bucket in self.buckets:
@@ -205,6 +251,17 @@ class DDP:
         setattr(module, DATA_PARALLEL_ATTRIBUTE, self)
         for _, param in named_parameters:
             setattr(param, DATA_PARALLEL_ATTRIBUTE, self)
+
+    def reduction_of(self, param: torch.Tensor) -> ReductionGroup:
+        """The ranks ``param``'s gradient is summed over: the data-parallel dims it is replicated on."""
+        dims = self.mesh_dims
+        if isinstance(param, DTensor) and len(dims) > 1:
+            names = self.device_mesh.mesh_dim_names
+            dims = tuple(dim for dim in dims if isinstance(param.placements[names.index(dim)], Replicate))
+        if dims not in self._reductions_by_dims:
+            group, size, rank = mesh_dims_group(self.device_mesh, dims)
+            self._reductions_by_dims[dims] = ReductionGroup(dims, group, size, rank, self.dp_size)
+        return self._reductions_by_dims[dims]
 
     @property
     def reduce_result(self) -> str:
@@ -381,7 +438,7 @@ class DDP:
     def _launch(self, bucket: Bucket) -> None:
         self._reductions[bucket.index] = start_reduction(
             bucket,
-            self.dp_group,
+            bucket.reduction.group,
             result=self.reduce_result,
             deterministic=self.deterministic,
             grad_chunk=bucket.allocate_grad_chunk() if self.zero_stage == 2 else None,

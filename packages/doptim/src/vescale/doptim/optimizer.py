@@ -120,13 +120,22 @@ class DistributedOptimizer(Optimizer):
                 GradPiece(param.grad.to_local(), self.owner.device_mesh, sharded_mesh_dims(param))
                 for param in params
             ]
-        dp_index = self.owner.device_mesh.mesh_dim_names.index(self.owner.mesh_dim)
-        chunked = frozenset({dp_index}) if self.zero_stage >= 1 else frozenset()
+        names = self.owner.device_mesh.mesh_dim_names
         return [
-            GradPiece(shard.master.grad, self.owner.device_mesh, sharded_mesh_dims(shard.param) | chunked)
+            GradPiece(
+                shard.master.grad,
+                self.owner.device_mesh,
+                sharded_mesh_dims(shard.param) | self._chunked_dims(shard, names),
+            )
             for shard in self.shards.values()
             if shard.master.grad is not None
         ]
+
+    def _chunked_dims(self, shard: ParamShard, names: tuple[str, ...]) -> frozenset[int]:
+        """The mesh dims over which ZeRO 1-2 split ``shard``'s bucket into chunks (its reduction dims)."""
+        if self.zero_stage == 0:
+            return frozenset()
+        return frozenset(names.index(dim) for dim in shard.bucket.reduction.dims)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -48,14 +48,17 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def rank_ordered_average(received: torch.Tensor, dp_size: int, *, average: bool = True) -> torch.Tensor:
-    """``(((c_0 + c_1) + c_2) + ...) / dp_size`` of the ``dp_size`` equal copies in ``received``, in place
-    into ``c_0`` (the sum starts from ``c_0`` exactly, as the single-device reference's does)."""
+def rank_ordered_average(
+    received: torch.Tensor, dp_size: int, *, average: bool = True, divisor: int | None = None
+) -> torch.Tensor:
+    """``(((c_0 + c_1) + c_2) + ...) / divisor`` of the ``dp_size`` equal copies in ``received``, in place
+    into ``c_0`` (the sum starts from ``c_0`` exactly, as the single-device reference's does);
+    ``divisor`` defaults to ``dp_size``."""
     copies = received.view(dp_size, -1)
     total = copies[0]
     for rank in range(1, dp_size):
         total.add_(copies[rank])
-    return total.div_(dp_size) if average else total
+    return total.div_(divisor or dp_size) if average else total
 
 
 class RankOrderedReduceScatter:
@@ -123,9 +126,9 @@ class BucketReduction:
         dp_size = self.bucket.dp_size
         if not self.deterministic:
             averaged = self.bucket.grad_buffer if self.result == "all_reduce" else self.grad_chunk
-            averaged.div_(dp_size)
+            averaged.div_(self.bucket.divisor)
             return
-        total = rank_ordered_average(self.received, dp_size)
+        total = rank_ordered_average(self.received, dp_size, divisor=self.bucket.divisor)
         self.received = None
         if self.result == "reduce_scatter":
             self.grad_chunk.copy_(total)
@@ -146,10 +149,13 @@ def start_reduction(
                         deterministic=False, grad_chunk=chunk).wait()
     """
     received = None
-    if dist.get_world_size(group) == 1:
-        # One rank: the average is the bucket itself; no collective, no division.
+    if group is None or dist.get_world_size(group) == 1:
+        # One rank: the sum is the bucket itself; no collective. Divided only when the batch is split
+        # over other ranks (an expert bucket of an ep-only mesh), so ranks that are alone stay bitwise.
         if result == "reduce_scatter":
             grad_chunk.copy_(bucket.grad_buffer)
+        if bucket.divisor != 1:
+            (grad_chunk if result == "reduce_scatter" else bucket.grad_buffer).div_(bucket.divisor)
         return BucketReduction(bucket, group, result, deterministic, None, None, grad_chunk, done=True)
     if deterministic:
         received = torch.empty_like(bucket.grad_buffer)

@@ -94,7 +94,7 @@ def local_states(optimizer: ShardedOptimizer) -> Iterator[tuple[ParamShard, str,
         # A bucket holds one parameter dtype, so its masters are all views or all separate copies.
         if not shards[0].master_is_view:
             names.append(MASTER_WEIGHT)
-        chunk_start = bucket.chunk_range(ddp.dp_rank)[0]
+        chunk_start = bucket.chunk_range(bucket.reduction.rank)[0]
         for name in names:
             if name == MASTER_WEIGHT:
                 values = [shard.master for shard in shards]
@@ -120,7 +120,7 @@ def local_states(optimizer: ShardedOptimizer) -> Iterator[tuple[ParamShard, str,
                     begin = shard.slot.offset + shard.start - chunk_start
                     chunk[begin : begin + shard.end - shard.start].copy_(value)
                 flat_state = torch.empty(bucket.padded_numel, dtype=dtype)
-                all_gather_flat(flat_state, chunk, group=ddp.dp_group)
+                all_gather_flat(flat_state, chunk, group=bucket.reduction.group)
             for shard, _ in stepped:
                 local = flat_state[shard.slot.offset : shard.slot.offset + shard.slot.numel]
                 yield shard, name, local.view(shard.slot.local_shape), True

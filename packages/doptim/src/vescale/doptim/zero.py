@@ -50,7 +50,7 @@ class ParamShard:
 def _rank_range(ddp: DDP, bucket: Bucket, slot: ParamSlot) -> tuple[int, int]:
     if ddp.zero_stage == 0:
         return 0, slot.numel
-    return slot.range_in_chunk(*bucket.chunk_range(ddp.dp_rank))
+    return slot.range_in_chunk(*bucket.chunk_range(bucket.reduction.rank))
 
 
 def build_param_shards(ddp: DDP, *, master_dtype: torch.dtype | None) -> dict[int, ParamShard]:
@@ -79,7 +79,7 @@ def load_grads(ddp: DDP, shards: dict[int, ParamShard]) -> None:
             continue
         bucket, slot = shard.bucket, shard.slot
         if ddp.zero_stage == 2:
-            chunk_start = bucket.chunk_range(ddp.dp_rank)[0]
+            chunk_start = bucket.chunk_range(bucket.reduction.rank)[0]
             source = bucket.grad_chunk[
                 slot.offset + shard.start - chunk_start : slot.offset + shard.end - chunk_start
             ]
@@ -96,14 +96,14 @@ MAX_GATHERS_IN_FLIGHT = 2
 
 def _start_gather(ddp: DDP, bucket: Bucket, shards: dict[int, ParamShard]) -> tuple[torch.Tensor, Any]:
     dtype = bucket.slots[0].param.dtype
-    chunk_start = bucket.chunk_range(ddp.dp_rank)[0]
+    chunk_start = bucket.chunk_range(bucket.reduction.rank)[0]
     chunk = torch.zeros(bucket.chunk_numel, dtype=dtype, device=bucket.device)
     for slot in bucket.slots:
         shard = shards[id(slot.param)]
         begin = slot.offset + shard.start - chunk_start
         chunk[begin : begin + shard.end - shard.start].copy_(shard.master)
     gathered = torch.empty(bucket.padded_numel, dtype=dtype, device=chunk.device)
-    return gathered, all_gather_flat(gathered, chunk, group=ddp.dp_group, async_op=True)
+    return gathered, all_gather_flat(gathered, chunk, group=bucket.reduction.group, async_op=True)
 
 
 def _finish_gather(bucket: Bucket, gathered: torch.Tensor, work: Any) -> None:

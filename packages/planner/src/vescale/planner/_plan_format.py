@@ -22,6 +22,7 @@ TOP_LEVEL_KEYS = (
     "mesh",
     "tensor_parallel",
     "pipeline_parallel",
+    "expert_parallel",
     "data_parallel",
     "micro_batching",
     "activation_checkpointing",

@@ -73,6 +73,10 @@ def plan_fields_from_dict(plan_dict: Any, top_level_keys: Sequence[str]) -> dict
         ("global_batch_size", "micro_batch_size", "sequence_length"),
         required=("global_batch_size",),
     )
+    # Plans written before the expert-parallel section read as ep=1 plans without one.
+    experts = _mapping(
+        top.get("expert_parallel") or {}, "expert_parallel", ("expert_tensor_parallel", "capacity_factor")
+    )
     memory = _mapping(top.get("memory") or {}, "memory", ("memory_per_device_gb", "estimate"))
     reasons = top.get("reasons") or {}
     if not isinstance(reasons, dict) or not all(isinstance(v, str) for v in reasons.values()):
@@ -93,6 +97,8 @@ def plan_fields_from_dict(plan_dict: Any, top_level_keys: Sequence[str]) -> dict
         "pipeline": None
         if pipeline is None
         else _section("pipeline_parallel", PipelinePlan.from_dict, pipeline),
+        "expert_tensor_parallel": experts.get("expert_tensor_parallel"),
+        "capacity_factor": experts.get("capacity_factor"),
         "activation_checkpointing": top.get("activation_checkpointing", "none"),
         "memory_per_device_gb": memory.get("memory_per_device_gb"),
         "memory_estimate": None

@@ -19,7 +19,7 @@ _GIB = 2**30
 
 
 def _choices(plan: Any) -> list[tuple[str, str]]:
-    tp, pp, dp = plan.mesh_size("tp"), plan.mesh_size("pp"), plan.mesh_size("dp")
+    tp, pp, dp, ep = plan.mesh_size("tp"), plan.mesh_size("pp"), plan.mesh_size("dp"), plan.mesh_size("ep")
     sharding = plan.sharding_plan
     if sharding is None:
         tensor_parallel = "off"
@@ -33,6 +33,15 @@ def _choices(plan: Any) -> list[tuple[str, str]]:
     else:
         pipeline_text = f"{pp} stages, {pipeline.schedule}, split {pipeline.split_method}"
     zero = plan.data_parallel.zero_stage
+    if ep == 1:
+        experts = "off"
+    else:
+        inside = "experts split over tp too" if plan.experts_split_over_tp else "tp outside the experts"
+        capacity = "dropless" if plan.capacity_factor is None else f"capacity factor {plan.capacity_factor:g}"
+        experts = f"{ep} (1/{ep} of the experts per rank, {inside}, {capacity})"
+    data_parallel = f"{dp}, ZeRO-{zero}" if zero else f"{dp}, ZeRO-0 (DDP)"
+    if ep > 1:
+        data_parallel += f"; non-expert parameters over dp x ep = {dp * ep}, batch split over dp x ep"
     accumulation = "" if pipeline is not None else " (gradient accumulation)"
     return [
         ("world size", str(plan.world_size)),
@@ -40,7 +49,8 @@ def _choices(plan: Any) -> list[tuple[str, str]]:
         ("tensor parallel", tensor_parallel),
         ("sequence parallel", "on" if plan.sequence_parallel else "off"),
         ("pipeline parallel", pipeline_text),
-        ("data parallel", f"{dp}, ZeRO-{zero}" if zero else f"{dp}, ZeRO-0 (DDP)"),
+        ("expert parallel", experts),
+        ("data parallel", data_parallel),
         ("mixed precision", plan.mixed_precision),
         ("global batch size", str(plan.global_batch_size)),
         ("micro-batch size", str(plan.micro_batch_size)),

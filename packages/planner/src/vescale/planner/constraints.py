@@ -10,6 +10,12 @@ key                                       meaning
 ``data_parallel.size``                    data-parallel ranks
 ``tensor_parallel.size``                  tensor-parallel ranks (within a node)
 ``pipeline_parallel.size``                pipeline stages
+``expert_parallel.size``                  expert-parallel ranks: the experts of every MoE block are
+                                          sharded over them (E/ep each), the batch over dp x ep
+``expert_tensor_parallel``                true: the tensor-parallel plan splits the experts too;
+                                          false: tensor parallelism only outside the experts
+``expert_parallel.capacity_factor``       tokens per expert capped at factor x its even share
+                                          (dropped deterministically); default dropless
 ``sequence_parallel``                     shard activations between blocks on the sequence
 ``zero.stage``                            0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+ params)
 ``tensor_parallel.sharding_policy``       ``"megatron"``
@@ -59,6 +65,7 @@ _POSITIVE_INTS = (
     "data_parallel.size",
     "tensor_parallel.size",
     "pipeline_parallel.size",
+    "expert_parallel.size",
     "pipeline_parallel.num_microbatches",
     "devices_per_node",
     "global_batch_size",
@@ -74,6 +81,9 @@ class Constraints:
     data_parallel_size: int | None = None
     tensor_parallel_size: int | None = None
     pipeline_parallel_size: int | None = None
+    expert_parallel_size: int | None = None
+    expert_tensor_parallel: bool | None = None
+    expert_parallel_capacity_factor: float | None = None
     sequence_parallel: bool | None = None
     zero_stage: int | None = None
     tensor_parallel_sharding_policy: str | None = None
@@ -144,12 +154,14 @@ class Constraints:
             "pipeline_parallel.size": self.pipeline_parallel_size,
         }
         given = {key: size for key, size in sizes.items() if size is not None}
+        if self.expert_parallel_size is not None:
+            given["expert_parallel.size"] = self.expert_parallel_size
         product = math.prod(given.values())
         described = " x ".join(f"{key}={size}" for key, size in given.items())
-        if len(given) == len(sizes) and product != world_size:
+        if all(size is not None for size in sizes.values()) and product != world_size:
             raise ConstraintError(
                 f"{described} = {product} devices, but the world size is {world_size}; "
-                "make the three sizes multiply to the world size, or leave one of them to the planner"
+                "make the sizes multiply to the world size, or leave one of them to the planner"
             )
         if world_size % product:
             raise ConstraintError(
@@ -188,6 +200,16 @@ class Constraints:
                 "sequence_parallel=True shards activations over the tensor-parallel ranks, but "
                 "tensor_parallel.size=1; raise tensor_parallel.size or drop sequence_parallel"
             )
+        if self.expert_tensor_parallel and self.tensor_parallel_size == 1:
+            raise ConstraintError(
+                "expert_tensor_parallel=True splits the experts over the tensor-parallel ranks, but "
+                "tensor_parallel.size=1; raise tensor_parallel.size or drop expert_tensor_parallel"
+            )
+        if self.expert_parallel_capacity_factor is not None and self.expert_parallel_size == 1:
+            raise ConstraintError(
+                "expert_parallel.capacity_factor caps the tokens dispatched to each expert, but "
+                "expert_parallel.size=1 dispatches none; raise expert_parallel.size or drop the factor"
+            )
         tp, per_node = self.tensor_parallel_size, self.devices_per_node
         if tp is not None and per_node is not None and tp > per_node:
             raise ConstraintError(
@@ -197,11 +219,13 @@ class Constraints:
         global_batch, micro_batch = self.global_batch_size, self.micro_batch_size
         if global_batch is not None and micro_batch is not None:
             dp = self.data_parallel_size
+            if dp is not None:
+                dp *= self.expert_parallel_size or 1
             share = global_batch // dp if dp is not None and global_batch % dp == 0 else None
             if dp is not None and share is None:
                 raise ConstraintError(
-                    f"global_batch_size={global_batch} does not split over data_parallel.size={dp}; "
-                    "make it a multiple of the data-parallel size"
+                    f"global_batch_size={global_batch} does not split over data_parallel.size x "
+                    f"expert_parallel.size = {dp} batch ranks; make it a multiple of that"
                 )
             if share is not None and share % micro_batch:
                 raise ConstraintError(
@@ -247,7 +271,7 @@ def _checked_value(key: str, value: Any) -> Any:
         if isinstance(value, bool) or value not in (0, 1, 2, 3):
             raise ConstraintError(f"constraint zero.stage={value!r} must be 0, 1, 2 or 3")
         return value
-    if key in ("sequence_parallel", "data_parallel.deterministic"):
+    if key in ("sequence_parallel", "data_parallel.deterministic", "expert_tensor_parallel"):
         if not isinstance(value, bool):
             raise ConstraintError(f"constraint {key}={value!r} must be true or false")
         return value
@@ -257,9 +281,9 @@ def _checked_value(key: str, value: Any) -> Any:
                 f"constraint hardware={value!r} must be a profile name (e.g. 'h100-80gb') or a JSON file path"
             )
         return value
-    if key == "memory_per_device_gb":
+    if key in ("memory_per_device_gb", "expert_parallel.capacity_factor"):
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise ConstraintError(f"constraint memory_per_device_gb={value!r} must be a positive number")
+            raise ConstraintError(f"constraint {key}={value!r} must be a positive number")
         return float(value)
     # pipeline_parallel.split_points, the one key left
     is_list = isinstance(value, list | tuple)

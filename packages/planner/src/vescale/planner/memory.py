@@ -65,6 +65,7 @@ class ParallelChoices:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    expert_parallel_size: int = 1
     sequence_parallel: bool = False
     zero_stage: int = 0
     micro_batch_size: int = 1

@@ -49,8 +49,14 @@ class Plan:
     """A whole parallel run (see the module docstring); ``generate_plan`` builds one.
 
     ``mesh`` holds every dimension of :data:`MESH_DIMS` in that order (size 1 when unused).
-    ``num_microbatches`` micro-batches of ``micro_batch_size`` samples make one dp rank's share of
-    ``global_batch_size``: accumulated gradients, or the pipeline's micro-batches when ``pp > 1``.
+    The batch is split over dp x ep (an expert-parallel rank is a data-parallel rank for every
+    non-expert parameter): ``num_microbatches`` micro-batches of ``micro_batch_size`` samples make
+    one dp x ep rank's share of ``global_batch_size``: accumulated gradients, or the pipeline's
+    micro-batches when ``pp > 1``. With ``mesh.ep > 1`` the experts of every MoE block are
+    sharded over ``ep`` (E/ep whole experts per rank); ``expert_tensor_parallel`` says whether
+    the tensor-parallel plan also splits the experts (else TP stays outside them; ``None``, the
+    default: split when ``ep == 1``, outside when ``ep > 1``, see :attr:`experts_split_over_tp`), and
+    ``capacity_factor`` caps the tokens per expert (``None``: dropless).
 
     Example::
 
@@ -71,6 +77,8 @@ class Plan:
     memory_estimate: MemoryEstimate | None = None
     reasons: tuple[tuple[str, str], ...] = field(default=())
     performance: Performance | None = None
+    expert_tensor_parallel: bool | None = None
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         sizes = dict(self.mesh) if not isinstance(self.mesh, dict) else self.mesh
@@ -82,14 +90,13 @@ class Plan:
         mesh = tuple((dim, _positive_int(sizes.get(dim, 1), f"mesh.{dim}")) for dim in MESH_DIMS)
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "reasons", tuple((str(k), str(v)) for k, v in dict(self.reasons).items()))
-        if self.mesh_size("ep") != 1:
-            raise PlanFormatError("plan field mesh.ep must be 1: this version has no expert-parallel section")
         if self.data_parallel.size != self.mesh_size("dp"):
             raise PlanFormatError(
                 f"plan field data_parallel.size={self.data_parallel.size} differs from mesh.dp="
                 f"{self.mesh_size('dp')}; make them equal"
             )
         self._check_tensor_parallel()
+        self._check_expert_parallel()
         self._check_batches()
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
             raise PlanFormatError(
@@ -122,16 +129,41 @@ class Plan:
                 "and true only with mesh.tp > 1"
             )
 
+    def _check_expert_parallel(self) -> None:
+        ep, tp = self.mesh_size("ep"), self.mesh_size("tp")
+        choice = self.expert_tensor_parallel
+        if not (choice is None or isinstance(choice, bool)) or (choice and tp == 1):
+            raise PlanFormatError(
+                f"plan field expert_parallel.expert_tensor_parallel={choice!r} must be null (the default), "
+                "a bool, and true only with mesh.tp > 1 (it splits the experts over tp)"
+            )
+        factor = self.capacity_factor
+        if factor is not None and (
+            isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0
+        ):
+            raise PlanFormatError(
+                f"plan field expert_parallel.capacity_factor must be a positive number or null (dropless), "
+                f"got {factor!r}"
+            )
+        if factor is not None and ep == 1:
+            raise PlanFormatError(
+                "plan field expert_parallel.capacity_factor is given but mesh.ep=1 dispatches no token; "
+                "drop it (null) or raise mesh.ep"
+            )
+
     def _check_batches(self) -> None:
-        dp, pp = self.mesh_size("dp"), self.mesh_size("pp")
+        pp, batch_ranks = self.mesh_size("pp"), self.batch_ranks
         _positive_int(self.global_batch_size, "micro_batching.global_batch_size")
         _positive_int(self.micro_batch_size, "micro_batching.micro_batch_size")
         _positive_int(self.sequence_length, "micro_batching.sequence_length")
-        if self.global_batch_size % (dp * self.micro_batch_size):
+        if self.global_batch_size % (batch_ranks * self.micro_batch_size):
+            ranks = f"dp={self.mesh_size('dp')}"
+            if self.mesh_size("ep") > 1:
+                ranks += f" x ep={self.mesh_size('ep')}"
             raise PlanFormatError(
                 f"plan field micro_batching.global_batch_size={self.global_batch_size} does not split into "
-                f"dp={dp} ranks x micro_batch_size={self.micro_batch_size}; make it a multiple of "
-                f"{dp * self.micro_batch_size}"
+                f"{ranks} ranks x micro_batch_size={self.micro_batch_size}; make it a multiple of "
+                f"{batch_ranks * self.micro_batch_size}"
             )
         if (self.pipeline is None) != (pp == 1):
             raise PlanFormatError(
@@ -145,7 +177,7 @@ class Plan:
         if self.pipeline is not None and self.pipeline.num_microbatches != self.num_microbatches:
             raise PlanFormatError(
                 f"plan field pipeline_parallel.num_microbatches={self.pipeline.num_microbatches}, but "
-                f"global_batch_size / (dp x micro_batch_size) = {self.num_microbatches}; make them agree"
+                f"global_batch_size / (dp x ep x micro_batch_size) = {self.num_microbatches}; make them agree"
             )
 
     def mesh_size(self, dim: str) -> int:
@@ -161,9 +193,22 @@ class Plan:
         return total
 
     @property
+    def experts_split_over_tp(self) -> bool:
+        """Whether the tensor-parallel plan splits the experts: ``expert_tensor_parallel``, or by
+        default when they are not expert-parallel (``ep == 1``, ``tp > 1``)."""
+        if self.expert_tensor_parallel is not None:
+            return self.expert_tensor_parallel
+        return self.mesh_size("ep") == 1 and self.mesh_size("tp") > 1
+
+    @property
+    def batch_ranks(self) -> int:
+        """The ranks the global batch is split over: dp x ep."""
+        return self.mesh_size("dp") * self.mesh_size("ep")
+
+    @property
     def num_microbatches(self) -> int:
-        """Micro-batches per dp rank per step (gradient accumulation steps without a pipeline)."""
-        return self.global_batch_size // (self.mesh_size("dp") * self.micro_batch_size)
+        """Micro-batches per dp x ep rank per step (gradient accumulation steps without a pipeline)."""
+        return self.global_batch_size // (self.batch_ranks * self.micro_batch_size)
 
     @property
     def mixed_precision(self) -> str:
@@ -176,6 +221,7 @@ class Plan:
             tensor_parallel_size=self.mesh_size("tp"),
             pipeline_parallel_size=self.mesh_size("pp"),
             data_parallel_size=self.mesh_size("dp"),
+            expert_parallel_size=self.mesh_size("ep"),
             sequence_parallel=self.sequence_parallel,
             zero_stage=self.data_parallel.zero_stage,
             micro_batch_size=self.micro_batch_size,
@@ -221,6 +267,10 @@ class Plan:
                 "sharding_plan": self.sharding_plan.to_dict() if self.sharding_plan else None,
             },
             "pipeline_parallel": self.pipeline.to_dict() if self.pipeline else None,
+            "expert_parallel": {
+                "expert_tensor_parallel": self.expert_tensor_parallel,
+                "capacity_factor": self.capacity_factor,
+            },
             "data_parallel": self.data_parallel.to_dict(),
             "micro_batching": {
                 "global_batch_size": self.global_batch_size,

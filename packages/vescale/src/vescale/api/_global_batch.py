@@ -36,6 +36,7 @@ from vescale.api._recompute import repeated_blocks
 from vescale.api._token_weights import loss_term_rule
 from vescale.api.errors import UnsupportedPlanError
 from vescale.doptim import data_parallel_of
+from vescale.doptim.mesh_groups import mesh_dims_group
 from vescale.dpipe import loss_with_backward_done
 
 __all__ = ["ParallelizedModel"]
@@ -103,9 +104,10 @@ class ParallelizedModel(nn.Module):
         self.pipelined = pipelined
         # The user's own model names its loss function (a pipeline wrapper does not).
         self._count_terms = loss_term_rule(user_model)
-        dims = mesh.mesh_dim_names or ()
-        self._dp_size = mesh.size(dims.index("dp")) if "dp" in dims else 1
-        self._dp_group = mesh.get_group("dp") if self._dp_size > 1 else None
+        # The batch is split over dp, and over ep too under expert parallelism.
+        dims = tuple(dim for dim in ("dp", "ep") if dim in (mesh.mesh_dim_names or ()))
+        group, self._dp_size, _ = mesh_dims_group(mesh, dims)
+        self._dp_group = group if self._dp_size > 1 else None
 
     def compile_module(self, *, per_block: bool = False) -> None:
         """Run the wrapped module under ``torch.compile`` from the next call on.

@@ -79,7 +79,7 @@ def _checkpoint_state(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def save(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     state: Mapping[str, Any],
     *,
     async_save: bool = False,
@@ -120,7 +120,7 @@ def _saved_plan(index_objects: Mapping[str, Any], where: str) -> Plan | None:
         raise CheckpointFormatError(f"{where}: the saved plan does not parse: {error}") from error
 
 
-def load(path: str | os.PathLike, state: Mapping[str, Any]) -> Plan | None:
+def load(path: str | os.PathLike[str], state: Mapping[str, Any]) -> Plan | None:
     """Fill the objects of ``state`` in place from the checkpoint at ``path``; return the saved plan.
 
     ``path`` is a checkpoint directory or its parent (whose ``latest`` names one). The objects

@@ -70,14 +70,19 @@ def _is_map_style(dataset: Any) -> bool:
     )
 
 
-def _dp_rank_and_size(mesh: DeviceMesh, dp_dim: str) -> tuple[int, int]:
+def _dp_rank_and_size(mesh: DeviceMesh, dp_dim: str | tuple[str, ...]) -> tuple[int, int]:
+    """This rank's index among the batch ranks (several dims flattened, outer first) and their number."""
     names = mesh.mesh_dim_names or ()
-    if dp_dim not in names:
-        raise DataLoaderConfigError(
-            f"dp_dim={dp_dim!r} is not a dimension of the mesh (its dims: {list(names)}); pass the name "
-            "of the data-parallel dim, or build the mesh with it, e.g. init_mesh(dp=1, tp=...)"
-        )
-    return mesh.get_local_rank(dp_dim), mesh.size(names.index(dp_dim))
+    rank, size = 0, 1
+    for dim in (dp_dim,) if isinstance(dp_dim, str) else dp_dim:
+        if dim not in names:
+            raise DataLoaderConfigError(
+                f"dp_dim={dim!r} is not a dimension of the mesh (its dims: {list(names)}); pass the name "
+                "of the data-parallel dim, or build the mesh with it, e.g. init_mesh(dp=1, tp=...)"
+            )
+        dim_size = mesh.size(names.index(dim))
+        rank, size = rank * dim_size + mesh.get_local_rank(dim), size * dim_size
+    return rank, size
 
 
 class DistributedDataLoader:
@@ -87,6 +92,7 @@ class DistributedDataLoader:
     ``default_collate``). ``shuffle`` permutes a map-style dataset each epoch with
     ``torch.randperm`` seeded by ``seed + epoch``, identically on every rank. ``drop_last=False``
     keeps a short last global batch, which must still split into equal dp slices.
+    ``dp_dim=("dp", "ep")`` splits the batch over both dims (expert parallelism), dp outer.
 
     Example::
 
@@ -101,7 +107,7 @@ class DistributedDataLoader:
         mesh: DeviceMesh,
         *,
         global_batch_size: int,
-        dp_dim: str = "dp",
+        dp_dim: str | tuple[str, ...] = "dp",
         collate_fn: Callable[[list[Any]], Any] | None = None,
         shuffle: bool = False,
         seed: int = 0,

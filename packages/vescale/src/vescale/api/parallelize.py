@@ -6,11 +6,15 @@ Order of composition (each step needs the previous one's placements):
 2. tensor/sequence parallelism (dmodule, ``plan.sharding_plan`` over ``tp``): every parameter
    becomes a DTensor on the whole mesh; a model from :func:`vescale.deferred_init` is
    materialised here, each rank allocating only its tp shards (without tp: full tensors);
+   with ``ep > 1`` the plan's expert entries are left out (``expert_tensor_parallel`` off) and
+   the experts of every MoE block are sharded over ``ep`` (``parallelize_experts``: E/ep whole
+   experts per rank, tokens dispatched by all-to-all, the load-balancing loss of the global batch);
 3. mixed precision ``"bf16"``: parameters and activations in bfloat16 (the optimizer keeps fp32
    master weights and state, step 6);
 4. activation checkpointing ``"full"`` or ``"selective"`` on every repeated block;
 5. pipeline stages (dpipe, ``plan.pipeline`` over ``pp``);
-6. data parallelism and ZeRO (doptim, ``plan.data_parallel`` over ``dp``), then the optimizer
+6. data parallelism and ZeRO (doptim, ``plan.data_parallel`` over ``dp``, or over dp x ep with
+   expert parallelism: experts reduced over dp only), then the optimizer
    ``DistributedOptimizer(optimizer_fn(model))`` and ``lr_scheduler_fn(optimizer)``;
 7. the returned model (:class:`~._global_batch.ParallelizedModel`): one call takes this rank's
    share of the global batch and returns the whole global batch's loss; ``compile=True`` runs
@@ -38,6 +42,7 @@ from vescale.api._global_batch import ParallelizedModel
 from vescale.api._recompute import checkpoint_repeated_blocks
 from vescale.api.errors import ParallelizeError, PlanMismatchError, UnsupportedPlanError, WorldSizeError
 from vescale.dmodule import DModuleError, materialize_module, parallelize_module
+from vescale.dmodule.experts import parallelize_experts, tensor_parallel_outside_experts
 from vescale.doptim import DistributedOptimizer, data_parallel
 from vescale.dpipe import PipelineError, pipeline_parallelize
 from vescale.dtensor import init_mesh, is_deferred
@@ -112,13 +117,31 @@ def _mesh_dims(plan: Plan) -> dict[str, int]:
     return {dim: size for dim, size in plan.mesh if size > 1 or dim in ("dp", "tp")}
 
 
+def _batch_dims(plan: Plan) -> str | tuple[str, ...]:
+    """The mesh dims the batch is split over (the data-parallel group): dp, and ep when used."""
+    return ("dp", "ep") if plan.mesh_size("ep") > 1 else "dp"
+
+
 def _apply_tensor_parallel(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> None:
-    if plan.sharding_plan is None:
+    ep = plan.mesh_size("ep")
+    if ep > 1 and plan.experts_split_over_tp:
+        raise UnsupportedPlanError(
+            f"plan.expert_tensor_parallel=true with mesh.ep={ep}: experts split over tp inside each ep rank "
+            "are not implemented; set expert_parallel.expert_tensor_parallel to false (tensor parallelism "
+            "outside the experts) or mesh.ep to 1"
+        )
+    sharding_plan = plan.sharding_plan
+    if sharding_plan is None and ep > 1 and plan.data_parallel.zero_stage == 3:
+        # ZeRO-3 over dp x ep shards DTensor parameters on the mesh: make every parameter one (Replicate).
+        sharding_plan = {"parameter": {}}
+    if sharding_plan is None:
         if any(is_deferred(tensor) for tensor in [*model.parameters(), *model.buffers()]):
             materialize_module(model)
         return
     try:
-        parallelize_module(model, mesh, plan.sharding_plan, mesh_dim="tp")
+        if not isinstance(sharding_plan, dict) and not plan.experts_split_over_tp:
+            sharding_plan = tensor_parallel_outside_experts(sharding_plan, model)
+        parallelize_module(model, mesh, sharding_plan, mesh_dim="tp")
     except DModuleError as error:
         raise PlanMismatchError(
             f"plan.sharding_plan does not fit {type(model).__name__} (was the plan made for another "
@@ -136,6 +159,15 @@ def _apply_pipeline(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> nn.Module
         ) from error
 
 
+def _apply_expert_parallel(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> None:
+    try:
+        parallelize_experts(model, mesh, ep_dim="ep", capacity_factor=plan.capacity_factor)
+    except DModuleError as error:
+        raise PlanMismatchError(
+            f"plan mesh.ep={plan.mesh_size('ep')} does not fit {type(model).__name__}: {error}"
+        ) from error
+
+
 def _apply_data_parallel(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> None:
     section = plan.data_parallel
     if section.zero_stage == 3:
@@ -145,7 +177,7 @@ def _apply_data_parallel(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> None
             model,
             mesh,
             zero_stage=3,
-            mesh_dim="dp",
+            mesh_dim=_batch_dims(plan),
             compute_dtype=compute_dtype,
             deterministic=section.deterministic,
         )
@@ -154,7 +186,7 @@ def _apply_data_parallel(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> None
         model,
         mesh,
         zero_stage=section.zero_stage,
-        mesh_dim="dp",
+        mesh_dim=_batch_dims(plan),
         bucket_size_mb=section.bucket_size_mb,
         deterministic=section.deterministic,
         grad_dtype=torch.float32,
@@ -163,6 +195,8 @@ def _apply_data_parallel(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> None
 
 def _parallel_module(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     _apply_tensor_parallel(plan, model, mesh)
+    if plan.mesh_size("ep") > 1:
+        _apply_expert_parallel(plan, model, mesh)
     if plan.mixed_precision == "bf16" and plan.data_parallel.zero_stage < 3:
         model.to(torch.bfloat16)
     if plan.activation_checkpointing != "none":
@@ -243,7 +277,7 @@ def parallelize(
         from vescale.api.data_loader import DistributedDataLoader
 
         data_loader = DistributedDataLoader(
-            dataset, mesh, global_batch_size=plan.global_batch_size, **loader_kwargs
+            dataset, mesh, global_batch_size=plan.global_batch_size, dp_dim=_batch_dims(plan), **loader_kwargs
         )
     elif loader_kwargs:
         raise ParallelizeError(

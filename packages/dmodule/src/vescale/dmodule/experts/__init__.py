@@ -30,6 +30,7 @@ from vescale.dmodule.experts.parallelize import (
     parallelize_experts,
 )
 from vescale.dmodule.experts.router_precision import route_in_float32
+from vescale.dmodule.experts.sharding import expert_parameter_fqns, tensor_parallel_outside_experts
 
 __all__ = [
     "ExpertParallelError",
@@ -46,6 +47,7 @@ __all__ = [
     "dispatch_and_combine",
     "dropped_pairs",
     "expert_parallel_state",
+    "expert_parameter_fqns",
     "find_moe_blocks",
     "global_load_balancing_loss",
     "gradient_reduction_dims",
@@ -54,4 +56,5 @@ __all__ = [
     "parallelize_experts",
     "plan_routes",
     "route_in_float32",
+    "tensor_parallel_outside_experts",
 ]

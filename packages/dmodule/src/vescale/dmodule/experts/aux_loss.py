@@ -56,7 +56,7 @@ class _AllReduceSum(torch.autograd.Function):
     """Sum over every group in turn; backward sums the gradient the same way."""
 
     @staticmethod
-    def forward(ctx: Any, values: torch.Tensor, groups: tuple) -> torch.Tensor:
+    def forward(ctx: Any, values: torch.Tensor, groups: tuple[Any, ...]) -> torch.Tensor:
         ctx.groups = groups
         total = values.clone()
         for group in groups:
@@ -64,7 +64,7 @@ class _AllReduceSum(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         total = grad.contiguous().clone()
         for group in ctx.groups:
             dist.all_reduce(total, group=group)
@@ -108,8 +108,9 @@ def global_load_balancing_loss(
         rows = rows + row_weights.sum()
     statistics = torch.cat([probability_sums, counts, rows])
     if groups:
-        statistics = _AllReduceSum.apply(statistics, tuple(groups))
-    probability_sums, counts, rows = statistics.split([num_experts, num_experts, 1])
+        # torch leaves Function.apply and Tensor.split unannotated.
+        statistics = _AllReduceSum.apply(statistics, tuple(groups))  # type: ignore[no-untyped-call]
+    probability_sums, counts, rows = statistics.split([num_experts, num_experts, 1])  # type: ignore[no-untyped-call]
     return torch.sum((counts.detach() / rows.detach()) * (probability_sums / rows.detach())) * num_experts
 
 
@@ -128,7 +129,7 @@ def computes_load_balancing_loss(model: nn.Module) -> bool:
     )
 
 
-def _batch_groups(mesh: DeviceMesh, batch_dims: Sequence[str]) -> tuple:
+def _batch_groups(mesh: DeviceMesh, batch_dims: Sequence[str]) -> tuple[Any, ...]:
     names = mesh.mesh_dim_names or ()
     missing = [dim for dim in batch_dims if dim not in names]
     if missing:
@@ -157,7 +158,8 @@ def attach_global_aux_loss(
     groups = _batch_groups(mesh, batch_dims)
     signature = inspect.signature(model.forward)
 
-    def replace_with_global(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    # ``module`` is the transformers model: num_experts and the loss coefficient are its own.
+    def replace_with_global(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         local = output.get("aux_loss") if isinstance(output, dict) else None
         router_logits = output.get("router_logits") if isinstance(output, dict) else None
         if not isinstance(local, torch.Tensor) or not router_logits:

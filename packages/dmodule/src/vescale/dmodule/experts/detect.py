@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from vescale.dmodule.experts.errors import UnsupportedExpertsError
+
 __all__ = ["ROUTER_NAMES", "SHARED_EXPERT_NAMES", "MoEBlock", "expert_parameter_names", "find_moe_blocks"]
 
 ROUTER_NAMES = ("gate", "router")
@@ -50,6 +52,16 @@ def _is_fused_experts(module: nn.Module) -> bool:
     return down is not None and up is not None and down.ndim == 3 and up.ndim == 3
 
 
+def _num_experts(experts: nn.Module) -> int:
+    down_proj = experts._parameters.get("down_proj")
+    if down_proj is None:  # _is_fused_experts chose the module for its 3-dim down_proj
+        raise UnsupportedExpertsError(
+            f"{type(experts).__name__} has no down_proj parameter; expert parallelism needs the fused "
+            "experts weights (gate_up_proj/up_proj and down_proj): leave this model's experts replicated"
+        )
+    return int(down_proj.shape[0])
+
+
 def expert_parameter_names(experts: nn.Module) -> tuple[str, ...]:
     """The experts module's own parameters that have the expert dim first (weights and biases).
 
@@ -57,7 +69,7 @@ def expert_parameter_names(experts: nn.Module) -> tuple[str, ...]:
 
         expert_parameter_names(model.model.layers[0].mlp.experts)   # ('gate_up_proj', 'down_proj')
     """
-    num_experts = experts._parameters["down_proj"].shape[0]
+    num_experts = _num_experts(experts)
     return tuple(
         name
         for name, param in experts._parameters.items()
@@ -99,7 +111,7 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
         experts = block._modules.get("experts")
         if experts is None or not _is_fused_experts(experts):
             continue
-        num_experts = experts._parameters["down_proj"].shape[0]
+        num_experts = _num_experts(experts)
         router_name = next(
             (
                 name

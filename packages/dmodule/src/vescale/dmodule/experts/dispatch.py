@@ -68,7 +68,7 @@ class _AllToAll(torch.autograd.Function):
         return received
 
     @staticmethod
-    def backward(ctx: Any, grad_received: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad_received: torch.Tensor) -> tuple[Any, ...]:
         grad_rows = grad_received.new_empty((sum(ctx.input_splits), *grad_received.shape[1:]))
         with comm_scope(ctx.scope):
             dist.all_to_all_single(
@@ -86,7 +86,11 @@ def all_to_all(
 
         received = all_to_all(tokens, [3, 1], [2, 2], mesh.get_group("ep"), "experts/dispatch")
     """
-    return _AllToAll.apply(rows, output_splits, input_splits, group, scope)
+    # torch leaves Function.apply unannotated.
+    received: torch.Tensor = _AllToAll.apply(  # type: ignore[no-untyped-call]
+        rows, output_splits, input_splits, group, scope
+    )
+    return received
 
 
 @dataclass(frozen=True)

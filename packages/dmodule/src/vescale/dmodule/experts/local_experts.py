@@ -20,6 +20,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,7 +77,8 @@ class LocalExperts:
                 "expert-parallel forward does not implement it: leave this model's experts replicated"
             )
         params = experts._parameters
-        self.experts = experts
+        # A transformers experts module: act_fn and _apply_gate are the model's own.
+        self.experts: Any = experts
         self.has_gate = bool(getattr(experts, "has_gate", "gate_up_proj" in params))
         self.up_name = "gate_up_proj" if self.has_gate else "up_proj"
         self.is_transposed = bool(getattr(experts, "is_transposed", False))

@@ -232,7 +232,13 @@ def parallelize_experts(
         _check_block(block, experts, mesh, ep_size, ep_dim)
         local_experts = LocalExperts(experts, use_grouped_mm=use_grouped_mm)
         for name in block.expert_parameters:
-            experts._parameters[name] = _shard_parameter(experts._parameters[name], mesh, ep_index, ep_dim)
+            parameter = experts._parameters[name]
+            if parameter is None:  # find_moe_blocks lists the parameters the module holds
+                raise ExpertParallelError(
+                    f"{block.experts_fqn}.{name} is None; expert parallelism shards the experts' "
+                    "parameters and this one is missing: build the model before parallelising it"
+                )
+            experts._parameters[name] = _shard_parameter(parameter, mesh, ep_index, ep_dim)
         state = ExpertParallelState(
             block.experts_fqn, mesh, ep_dim, block.num_experts, capacity_factor, local_experts, block=block
         )

@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -38,9 +38,11 @@ def _float32_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # The router's own tensors, swapped for float32 copies for this call only (the copies are
     # differentiable, so gradients reach the originals). The class forward is called directly:
     # the module's hooks already ran around this call and must not run twice.
+    # For this call the parameter slots hold plain float32 tensors, as the buffer slots do.
+    parameter_slots = cast(dict[str, torch.Tensor | None], self._parameters)
     originals = [
         (slots, name, tensor)
-        for slots in (self._parameters, self._buffers)
+        for slots in (parameter_slots, self._buffers)
         for name, tensor in slots.items()
         if tensor is not None and tensor.is_floating_point() and tensor.dtype != torch.float32
     ]

@@ -1,0 +1,86 @@
+"""The ``ep`` mesh axis in the Plan and the constraints (issue #19): JSON, table, explain, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vescale.doptim.plan import DataParallelPlan
+from vescale.planner import Plan
+from vescale.planner.constraints import Constraints
+from vescale.planner.errors import ConstraintError, PlanFormatError
+
+
+def _ep_plan(**overrides) -> Plan:
+    fields = dict(
+        mesh={"ep": 2, "dp": 2},
+        data_parallel=DataParallelPlan(size=2, zero_stage=1),
+        global_batch_size=8,
+        capacity_factor=1.25,
+    )
+    fields.update(overrides)
+    return Plan(**fields)
+
+
+def test_an_expert_parallel_plan_round_trips_and_shows_its_ep_axis():
+    plan = _ep_plan()
+    assert plan.mesh == (("pp", 1), ("dp", 2), ("ep", 2), ("tp", 1))
+    assert (plan.world_size, plan.batch_ranks, plan.num_microbatches) == (4, 4, 2)
+    assert plan.expert_tensor_parallel is None and not plan.experts_split_over_tp
+    text = plan.to_json()
+    assert json.loads(text)["expert_parallel"] == {"expert_tensor_parallel": None, "capacity_factor": 1.25}
+    assert Plan.from_json(text) == plan and Plan.from_json(text).to_json() == text
+    table = str(plan)
+    assert "expert parallel" in table and "2 (1/2 of the experts per rank" in table
+    assert "capacity factor 1.25" in table and "dp x ep = 4" in table
+    # A plan written before the section existed reads as ep=1 without one.
+    old = json.loads(
+        _ep_plan(mesh={"dp": 4}, data_parallel=DataParallelPlan(size=4), capacity_factor=None).to_json()
+    )
+    del old["expert_parallel"]
+    assert Plan.from_dict(old).mesh_size("ep") == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"global_batch_size": 6}, r"global_batch_size=6 does not split into dp=2 x ep=2 ranks"),
+        ({"expert_tensor_parallel": True}, "true only with mesh.tp > 1"),
+        ({"capacity_factor": 0}, "capacity_factor must be a positive number or null"),
+        (
+            {"mesh": {"dp": 4}, "data_parallel": DataParallelPlan(size=4)},
+            "capacity_factor is given but mesh.ep=1",
+        ),
+    ],
+)
+def test_bad_expert_parallel_fields_are_refused_by_name(overrides, message):
+    with pytest.raises(PlanFormatError, match=message):
+        _ep_plan(**overrides)
+
+
+def test_expert_parallel_constraints():
+    constraints = Constraints.from_dict({"expert_parallel": {"size": 2}, "tensor_parallel.size": 2})
+    assert constraints.expert_parallel_size == 2
+    constraints.check_world_size(8)
+    world_error = r"expert_parallel\.size=2 = 8 devices, but the world size is 4"
+    with pytest.raises(ConstraintError, match=world_error):
+        Constraints.from_dict(
+            {
+                "data_parallel.size": 2,
+                "tensor_parallel.size": 2,
+                "pipeline_parallel.size": 1,
+                "expert_parallel.size": 2,
+            }
+        ).check_world_size(4)
+    with pytest.raises(ConstraintError, match="expert_tensor_parallel=True splits the experts"):
+        Constraints.from_dict({"expert_tensor_parallel": True, "tensor_parallel.size": 1})
+    with pytest.raises(ConstraintError, match=r"over data_parallel\.size x expert_parallel\.size = 4"):
+        Constraints.from_dict(
+            {
+                "data_parallel.size": 2,
+                "expert_parallel.size": 2,
+                "global_batch_size": 6,
+                "micro_batch_size": 1,
+            }
+        )

@@ -30,6 +30,7 @@ from vescale.dtensor.testing.numerics import (
     assert_close_by_fqn,
     assert_losses_close,
     full_parameters,
+    innermost_module,
     max_relative_error,
     sgd_step_gradients,
 )
@@ -116,7 +117,7 @@ def train_dp2(
 
     model.model.layers[0].mlp.register_forward_pre_hook(record_mlp_call)
     model, optimizer, _, _ = vescale.parallelize(plan, model, make_optimizer, compile=compile_model)
-    inner = getattr(model, "module", model)  # data parallel wraps the model (FQNs gain "module.")
+    inner = innermost_module(model)  # data parallel wraps the model (FQNs gain "module.")
     before = full_parameters(inner)
     mesh = mesh_of(model)
     dims = mesh.mesh_dim_names or ()

@@ -41,6 +41,7 @@ from vescale.dtensor.testing.numerics import (
     assert_close_by_fqn,
     assert_losses_close,
     full_parameters,
+    innermost_module,
     max_relative_error,
     sgd_step_gradients,
 )
@@ -122,7 +123,7 @@ def rfc_script(model_name: str, plan_name: str, make_optimizer, steps: int) -> t
     plan = vescale.generate_plan(model, constraints)
     dataset = build_dataset(config.vocab_size)[: steps * GLOBAL_BATCH]
     model, optimizer, _, data_loader = vescale.parallelize(plan, model, make_optimizer, None, dataset)
-    inner = getattr(model, "module", model)  # data parallel wraps the model (FQNs gain "module.")
+    inner = innermost_module(model)  # data parallel wraps the model (FQNs gain "module.")
     before = full_parameters(inner)
     losses = []
     for batch in data_loader:

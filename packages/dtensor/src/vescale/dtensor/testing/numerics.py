@@ -30,6 +30,7 @@ __all__ = [
     "full_parameters",
     "full_value",
     "gradient_errors",
+    "innermost_module",
     "max_relative_error",
     "relative_error",
     "sgd_step_gradients",
@@ -155,6 +156,19 @@ def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def innermost_module(model: nn.Module) -> nn.Module:
+    """The model inside its wrappers (each ``.module``: data parallel, pipeline), whose FQNs are
+    the single-device model's.
+
+    Example::
+
+        before = full_parameters(innermost_module(parallel_model))   # "lm_head.weight", not "module.…"
+    """
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """``{fqn: full value}`` of every parameter (DTensors gathered: every rank must call it).
 
@@ -190,5 +204,7 @@ def gradient_errors(parallel: nn.Module, reference: nn.Module) -> dict[str, floa
     reference_grads = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
     parallel_grads = dict(parallel.named_parameters())
     return errors_by_fqn(
-        {name: p.grad for name, p in parallel_grads.items()}, reference_grads, parallel_grads
+        {name: p.grad for name, p in parallel_grads.items() if p.grad is not None},
+        reference_grads,
+        parallel_grads,
     )

@@ -16,9 +16,36 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    _ModeT = TypeVar("_ModeT", bound="TorchDispatchMode")
+
+    class TorchDispatchMode:
+        """For the type checker only: the part of ``torch.utils._python_dispatch.TorchDispatchMode``
+        that vescale uses, annotated (torch leaves it unannotated). vescale's dispatch modes subclass
+        it under ``TYPE_CHECKING`` and subclass ``torch_dispatch_mode_class()`` at run time."""
+
+        def __init__(self) -> None: ...
+        def __enter__(self: _ModeT) -> _ModeT: ...
+        def __exit__(self, exc_type: object, exc_value: object, traceback: object) -> None: ...
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        ) -> Any: ...
+
+    from torch.distributed.tensor import Placement
+
+    class StridedShard(Placement):
+        """For the type checker only: what vescale reads of PyTorch's private ``_StridedShard``
+        (the class strided_shard_type() returns at run time)."""
+
+        dim: int
+        split_factor: int
+
+        def __init__(self, dim: int, *, split_factor: int) -> None: ...
+
 
 __all__ = [
     "GLOBAL_MODULE_HOOK_DICTS",
@@ -80,6 +107,11 @@ def _private_attribute(module_name: str, attribute: str, expected_type: type | N
     return value
 
 
+def _private_class(module_name: str, attribute: str) -> type:
+    found: type = _private_attribute(module_name, attribute, type)
+    return found
+
+
 def clear_global_module_hooks() -> None:
     """Remove every hook registered with ``torch.nn.modules.module.register_module_*_hook``."""
     for attribute in GLOBAL_MODULE_HOOK_DICTS:
@@ -89,7 +121,7 @@ def clear_global_module_hooks() -> None:
 def reset_dtensor_rng_tracker() -> None:
     """Forget DTensor's random-number tracker so that the next random DTensor op makes a new one."""
     _private_attribute("torch.distributed.tensor._random", "_rng_tracker", None)
-    random_module = importlib.import_module("torch.distributed.tensor._random")
+    random_module: Any = importlib.import_module("torch.distributed.tensor._random")
     random_module._rng_tracker = None
 
 
@@ -118,7 +150,7 @@ def _op_dispatcher() -> Any:
     return _dispatcher
 
 
-def dtensor_custom_op_handlers() -> dict:
+def dtensor_custom_op_handlers() -> dict[Any, Any]:
     """``{OpOverload: handler(op_call, args, kwargs)}`` that DTensor calls instead of propagating."""
     handlers = getattr(_op_dispatcher(), "_custom_op_handlers", None)
     if not isinstance(handlers, dict):
@@ -126,7 +158,7 @@ def dtensor_custom_op_handlers() -> dict:
     return handlers
 
 
-def dtensor_random_ops() -> set:
+def dtensor_random_ops() -> set[Any]:
     """The set of ``OpOverload``s DTensor treats as random (drawn through its RNG tracker)."""
     random_ops = getattr(_op_dispatcher(), "_random_ops", None)
     if not isinstance(random_ops, set):
@@ -146,7 +178,7 @@ def dtensor_sharding_propagator() -> Any:
 # dict subclass put in its place is honoured; torch's own code only calls dict methods on it.
 
 
-def set_dtensor_custom_op_handlers(table: dict) -> None:
+def set_dtensor_custom_op_handlers(table: dict[Any, Any]) -> None:
     """Make ``table`` (a dict, possibly a subclass, holding every current entry) DTensor's handler table."""
     dtensor_custom_op_handlers()
     if not isinstance(table, dict):
@@ -156,7 +188,7 @@ def set_dtensor_custom_op_handlers(table: dict) -> None:
     _op_dispatcher()._custom_op_handlers = table
 
 
-def dtensor_scalar_shape_adjusters() -> dict:
+def dtensor_scalar_shape_adjusters() -> dict[Any, Any]:
     """``{OpOverload: adjust(input_specs, op_schema) -> op_schema}``: the propagator's rewrites of an
     op's non-tensor arguments into local values, applied when an input is sharded."""
     # torch 2.11/2.12 have the table only as this module adds it (see its torch 2.11 section).
@@ -206,7 +238,8 @@ def dtensor_rng_tracker() -> Any:
 def set_dtensor_rng_tracker(tracker: Any) -> None:
     """Make ``tracker`` DTensor's (it needs ``distribute_region_enabled`` and ``_distribute_region``)."""
     dtensor_rng_tracker()
-    importlib.import_module("torch.distributed.tensor._random")._rng_tracker = tracker
+    random_module: Any = importlib.import_module("torch.distributed.tensor._random")
+    random_module._rng_tracker = tracker
 
 
 __all__ += ["dtensor_rng_tracker", "set_dtensor_rng_tracker"]
@@ -226,7 +259,7 @@ DTENSOR_OP_NAMESPACE = "_dtensor"
 
 def torch_dispatch_mode_class() -> type:
     """``torch.utils._python_dispatch.TorchDispatchMode``, the base of vescale's dispatch modes."""
-    return _private_attribute("torch.utils._python_dispatch", "TorchDispatchMode", type)
+    return _private_class("torch.utils._python_dispatch", "TorchDispatchMode")
 
 
 def resolve_process_group(group_name: str) -> Any:
@@ -246,9 +279,11 @@ def current_autograd_node() -> Any:
 # then torch.chunk each part over the mesh dim) is the same; DTensor accepts no other type.
 
 
-def strided_shard_type() -> type:
+def strided_shard_type() -> type[StridedShard]:
     """PyTorch's ``_StridedShard`` placement class, the form a DTensor stores an InterleavedShard in."""
-    strided_shard = _private_attribute("torch.distributed.tensor.placement_types", "_StridedShard", type)
+    strided_shard: type[StridedShard] = _private_attribute(
+        "torch.distributed.tensor.placement_types", "_StridedShard", type
+    )
     if not isinstance(getattr(strided_shard, "split_factor", None), property):
         raise PrivateTorchAPIError(
             "torch.distributed.tensor.placement_types._StridedShard has no split_factor property in torch "
@@ -321,7 +356,7 @@ __all__ += [
 # The autograd engine's callback queue is the only way to act once a backward pass ends.
 
 
-def dtensor_strategy_registries() -> dict[str, dict]:
+def dtensor_strategy_registries() -> dict[str, dict[Any, Any]]:
     """DTensor's per-op sharding registries by name; an op in any of them can be sharded."""
     propagator = dtensor_sharding_propagator()
     registries = {"custom_op_handlers": dtensor_custom_op_handlers()}
@@ -357,7 +392,7 @@ def set_dtensor_implicit_replication(enabled: bool) -> None:
 # ``backward()`` started, so a scope cannot trust its own bookkeeping to know whether its mode
 # is active (a block recomputed by activation checkpointing runs in backward); only torch's
 # private mode stack tells.
-def active_torch_function_modes() -> list:
+def active_torch_function_modes() -> list[Any]:
     """The torch-function modes active on this thread now, outermost first."""
     stack = _private_attribute("torch.overrides", "_get_current_function_mode_stack", None)
     if not callable(stack):
@@ -404,7 +439,7 @@ STRATEGY_TYPE_NAMES = {
 def dtensor_strategy_type(name: str) -> type:
     """One of the propagator's types by its key in ``STRATEGY_TYPE_NAMES`` (e.g. ``"op_spec"``)."""
     module_name, attribute = STRATEGY_TYPE_NAMES[name]
-    return _private_attribute(module_name, attribute, type)
+    return _private_class(module_name, attribute)
 
 
 __all__ += ["STRATEGY_TYPE_NAMES", "dtensor_strategy_type"]
@@ -449,15 +484,16 @@ __all__ += [
 
 def fake_tensor_mode_class() -> type:
     """``torch._subclasses.fake_tensor.FakeTensorMode``: tensors with shapes but no data."""
-    return _private_attribute("torch._subclasses.fake_tensor", "FakeTensorMode", type)
+    return _private_class("torch._subclasses.fake_tensor", "FakeTensorMode")
 
 
-def fake_tensor_class() -> type:
+def fake_tensor_class() -> type[torch.Tensor]:
     """``torch._subclasses.fake_tensor.FakeTensor``, the tensor type FakeTensorMode creates."""
-    return _private_attribute("torch._subclasses.fake_tensor", "FakeTensor", type)
+    fake_tensor: type[torch.Tensor] = _private_attribute("torch._subclasses.fake_tensor", "FakeTensor", type)
+    return fake_tensor
 
 
-def fake_tensor_data_dependent_errors() -> tuple[type, ...]:
+def fake_tensor_data_dependent_errors() -> tuple[type[Exception], ...]:
     """The exceptions FakeTensorMode raises for ops whose result depends on tensor values."""
     return tuple(
         _private_attribute("torch._subclasses.fake_tensor", name, type)
@@ -489,7 +525,8 @@ def storage_key(tensor: torch.Tensor) -> int:
             f"torch.UntypedStorage has no _cdata in torch {torch.__version__}; "
             "update vescale/dtensor/_compat.py for this release."
         )
-    return storage._cdata
+    key: int = storage._cdata
+    return key
 
 
 __all__ += [
@@ -547,7 +584,7 @@ def install_strided_shard_greedy_redistribution() -> None:
     cached_plan.cache_clear()  # plans that failed were not cached; ones that worked stay valid
 
 
-def _through_replicate(transform_infos: list) -> list:
+def _through_replicate(transform_infos: list[Any]) -> list[Any]:
     """The steps, with each move 2.11 cannot make in one step (``_StridedShard`` to or from
     ``Shard``, ``Partial`` to ``_StridedShard``) made in two, through ``Replicate``."""
     strided_shard = strided_shard_type()
@@ -579,7 +616,7 @@ def _install_scalar_shape_adjusters(propagator: Any) -> None:
             "DTensor's ShardingPropagator.propagate_op_sharding(_non_cached) is missing in torch "
             f"{torch.__version__}; update vescale/dtensor/_compat.py for this release."
         )
-    adjusters: dict = {}
+    adjusters: dict[Any, Any] = {}
 
     def propagate_with_adjusters(op_schema: Any) -> Any:
         output_sharding = propagate(op_schema)

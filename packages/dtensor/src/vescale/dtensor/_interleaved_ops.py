@@ -136,7 +136,7 @@ def _disarm() -> None:
                     del adjusters[op]
 
 
-def _rewrite_split_sizes(input_specs: list, op_schema: Any) -> Any:
+def _rewrite_split_sizes(input_specs: list[Any], op_schema: Any) -> Any:
     rewrite = _pending.rewrite
     if rewrite is None:  # armed by another thread: not a schema this thread's strategy decided
         return op_schema
@@ -216,13 +216,16 @@ def _interleaved_cat(op_schema: Any) -> Any | None:
     if not all(hasattr(child, "strategies") for child in children):
         return None
     specs = [child.strategies[0].output_spec for child in children]
-    first = specs[0] if specs else None
-    if len(specs) < 2 or len(first.shape) == 0 or any(len(spec.shape) != len(first.shape) for spec in specs):
+    if len(specs) < 2:
+        return None
+    first = specs[0]
+    if len(first.shape) == 0 or any(len(spec.shape) != len(first.shape) for spec in specs):
         return None
     ndim = len(first.shape)
     dim = (op_schema.args_schema[1] if len(op_schema.args_schema) > 1 else 0) % ndim
-    shardings = [_sole_sharding(spec.placements, dim, ndim) for spec in specs]
-    if any(sharding is None for sharding in shardings) or len({mesh_dim for mesh_dim, _ in shardings}) != 1:
+    sole_shardings = [_sole_sharding(spec.placements, dim, ndim) for spec in specs]
+    shardings = [sharding for sharding in sole_shardings if sharding is not None]
+    if len(shardings) != len(sole_shardings) or len({mesh_dim for mesh_dim, _ in shardings}) != 1:
         return None
     mesh_dim = shardings[0][0]
     part_sizes = {divmod(spec.shape[dim], parts) for spec, (_, parts) in zip(specs, shardings, strict=True)}
@@ -256,7 +259,7 @@ INTERLEAVED_OPS: dict[Any, Callable[[Callable[[Any], Any], Any], Any]] = {
 
 def _wrapping(
     strategy: Callable[[Callable[[Any], Any], Any], Any], fallback: Callable[[Any], Any]
-) -> Callable:
+) -> Callable[..., Any]:
     def interleaved_aware_strategy(op_schema: Any) -> Any:
         return strategy(fallback, op_schema)
 

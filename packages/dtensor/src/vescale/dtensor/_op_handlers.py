@@ -35,7 +35,7 @@ from vescale.dtensor import _compat
 
 __all__ = ["HandlerTable", "OpHandler", "dispatch_previous", "register_op_handlers"]
 
-OpHandler = Callable[[Any, tuple, dict], object]
+OpHandler = Callable[[Any, tuple[Any, ...], dict[str, Any]], object]
 
 _default_dispatch_lock = threading.RLock()
 _previous_handlers: dict[Any, OpHandler | None] = {}
@@ -45,7 +45,7 @@ _own_handlers: dict[Any, OpHandler] = {}
 _MISSING = object()
 
 
-class HandlerTable(dict):
+class HandlerTable(dict[Any, Any]):
     """DTensor's handler table, where deleting a handler put over veScale's restores veScale's.
 
     Example::
@@ -81,7 +81,7 @@ def _handlers() -> HandlerTable:
     return table
 
 
-def dispatch_previous(op_call: Any, args: tuple, kwargs: dict) -> object:
+def dispatch_previous(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     """Dispatch ``op_call`` as DTensor would without veScale's handler for it.
 
     Example::

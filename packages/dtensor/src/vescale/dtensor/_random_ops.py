@@ -93,7 +93,7 @@ def _partial_free(placements: Sequence[Placement]) -> list[Placement]:
     return [Replicate() if isinstance(placement, Partial) else placement for placement in placements]
 
 
-def _split_generator(kwargs: dict) -> tuple[dict, torch.Generator | None]:
+def _split_generator(kwargs: dict[str, Any]) -> tuple[dict[str, Any], torch.Generator | None]:
     remaining = dict(kwargs)
     return remaining, remaining.pop("generator", None)
 
@@ -118,11 +118,16 @@ def _keeps_partial_values(target: DTensor) -> bool:
                 f"{placement} on mesh dim {mesh_dim} cannot hold random values exactly (only a sum can); "
                 "redistribute it to Replicate first"
             )
+        if coordinate is None:  # only a rank of the mesh holds a DTensor's values
+            raise RandomOpError(
+                f"a random op on a DTensor of mesh {target.device_mesh} ran on a rank outside that mesh; "
+                "run it on the mesh's ranks only"
+            )
         keeps = keeps and coordinate[mesh_dim] == 0
     return keeps
 
 
-def _fill_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
+def _fill_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     target: DTensor = args[0]
     _check_scalar_arguments(op_call, args[1:])
     call_kwargs, generator = _split_generator(kwargs)
@@ -144,7 +149,11 @@ def _fill_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
 
 
 def _output_dtensors(
-    op_call: Any, args: tuple, kwargs: dict, source: DTensor, local_outputs: Sequence[torch.Tensor]
+    op_call: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    source: DTensor,
+    local_outputs: Sequence[torch.Tensor],
 ) -> object:
     """Wrap local outputs with the source's layout and the metadata the op gives a global input."""
     meta_input = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, device="meta")
@@ -163,7 +172,7 @@ def _output_dtensors(
     return tuple(dtensors) if len(dtensors) > 1 else dtensors[0]
 
 
-def _like_or_map_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
+def _like_or_map_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     source: DTensor = args[0]
     kind = RANDOM_OP_KINDS[op_call]
     _check_scalar_arguments(op_call, args[1:])
@@ -189,7 +198,7 @@ def _like_or_map_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
     return _output_dtensors(op_call, args, call_kwargs, source, local_outputs)
 
 
-def _replicate_only_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
+def _replicate_only_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     dtensors = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, DTensor)]
     mesh = dtensors[0].device_mesh
     for dtensor in dtensors:

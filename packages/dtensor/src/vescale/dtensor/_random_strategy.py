@@ -47,7 +47,7 @@ _DISCARD_CHUNK = 1 << 20
 _BLOCK_SIZES = (1, 16)
 _WORDS_PER_ELEMENT = (1, 2, 3, 4)
 # Measured slice models by call key: a fact of the torch build, the same for the whole process.
-_slice_models: dict[tuple, tuple[int, int] | None] = {}
+_slice_models: dict[tuple[Any, ...], tuple[int, int] | None] = {}
 
 
 class RandomOpError(DTensorError, NotImplementedError):
@@ -65,8 +65,8 @@ class RandomCall:
 
     op: Any
     kind: str
-    args: tuple
-    kwargs: dict
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
     generator: torch.Generator | None
 
     def run(self, tensor: torch.Tensor, generator: torch.Generator | None) -> Any:
@@ -77,7 +77,7 @@ class RandomCall:
             return self.op(list(tensor.shape), *self.args, **kwargs)
         return self.op(tensor, *self.args, **kwargs)
 
-    def calibration_key(self, dtype: torch.dtype) -> tuple:
+    def calibration_key(self, dtype: torch.dtype) -> tuple[Any, ...]:
         return (self.op, self.kind, dtype, repr(self.args), repr(sorted(self.kwargs.items())))
 
 
@@ -96,6 +96,11 @@ def local_box(
     coordinate = mesh.get_coordinate()
     for mesh_dim, placement in enumerate(placements):
         if type(placement) is Shard:
+            if coordinate is None:  # only a rank of the mesh holds a shard
+                raise RandomOpError(
+                    f"a random op on a DTensor of mesh {mesh} ran on a rank outside that mesh; "
+                    "run it on the mesh's ranks only"
+                )
             dim = placement.dim % len(global_shape)
             box[dim] = _chunk_span(*box[dim], mesh.size(mesh_dim), coordinate[mesh_dim])
         elif not isinstance(placement, (Replicate, Partial)):
@@ -231,8 +236,12 @@ def _slice_run(
     if tuple(global_stride) != _contiguous_stride(global_shape):
         return None
     box = local_box(mesh, placements, global_shape)
-    run = None if box is None else _contiguous_run(box, global_shape)
-    model = None if run is None else slice_model(call, local_template.dtype)
+    if box is None:
+        return None
+    run = _contiguous_run(box, global_shape)
+    if run is None:
+        return None
+    model = slice_model(call, local_template.dtype)
     if model is None:
         return None
     words, block = model

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -128,7 +128,7 @@ def _result_tensors(result: Any) -> list[torch.Tensor]:
 
 # (namespace, op) -> how to read its (args, result). Functional collectives return their
 # outputs; c10d ops write into tensors they were given and return a Work.
-_PARSERS: dict[tuple[str, str], Callable[[tuple, Any], _Issued]] = {
+_PARSERS: dict[tuple[str, str], Callable[[tuple[Any, ...], Any], _Issued]] = {
     (_FUNCTIONAL, "all_reduce"): lambda a, r: _Issued("all_reduce", a[2], [a[0]], _result_tensors(r)),
     (_FUNCTIONAL, "all_reduce_"): lambda a, r: _Issued("all_reduce", a[2], [a[0]], [a[0]]),
     (_FUNCTIONAL, "all_reduce_coalesced"): lambda a, r: _Issued("all_reduce", a[2], a[0], _result_tensors(r)),
@@ -237,7 +237,13 @@ class _GroupTable:
         return (name, *self._groups[name])
 
 
-class CommCounter(_compat.torch_dispatch_mode_class()):
+if TYPE_CHECKING:
+    from vescale.dtensor._compat import TorchDispatchMode as _DispatchModeBase
+else:
+    _DispatchModeBase = _compat.torch_dispatch_mode_class()
+
+
+class CommCounter(_DispatchModeBase):
     """Count the collectives this rank issues while the context is open.
 
     ``mesh`` names the dims calls are attributed to; without it every call counts under
@@ -279,7 +285,9 @@ class CommCounter(_compat.torch_dispatch_mode_class()):
             self._calls.clear()
             self._in_flight.clear()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         # Wrapper subclasses (DTensor, AsyncCollectiveTensor) must desugar first: their
         # collectives and waits then come back through this mode as plain-tensor ops. Other

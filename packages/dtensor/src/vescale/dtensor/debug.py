@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
+from torch.autograd.graph import Node
 from torch.distributed.tensor import DTensor
 
 from vescale.dtensor import _compat
@@ -87,16 +88,26 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def _tag_autograd_nodes(value: Any, module_fqn: str) -> None:
     """Tag the untagged autograd nodes that made ``value``'s tensors with ``module_fqn``."""
-    pending = [tensor.grad_fn for tensor in _tensors(value) if tensor.grad_fn is not None]
+    pending: list[Node | None] = [tensor.grad_fn for tensor in _tensors(value) if tensor.grad_fn is not None]
     while pending:
         node = pending.pop()
-        if node is None or MODULE_FQN_METADATA_KEY in node.metadata:
+        if node is None:
             continue
-        node.metadata[MODULE_FQN_METADATA_KEY] = module_fqn
+        # A dict attribute at run time; torch's stubs declare a method.
+        metadata = cast(dict[str, Any], node.metadata)
+        if MODULE_FQN_METADATA_KEY in metadata:
+            continue
+        metadata[MODULE_FQN_METADATA_KEY] = module_fqn
         pending.extend(next_node for next_node, _ in node.next_functions)
 
 
-class DTensorOpLogger(_compat.torch_dispatch_mode_class()):
+if TYPE_CHECKING:
+    from vescale.dtensor._compat import TorchDispatchMode as _DispatchModeBase
+else:
+    _DispatchModeBase = _compat.torch_dispatch_mode_class()
+
+
+class DTensorOpLogger(_DispatchModeBase):
     """Record (and log) each DTensor op's placements with the FQN of the module running it.
 
     Enter it inside a :class:`vescale.dtensor.comm.CommCounter`, not outside, so that the
@@ -138,14 +149,14 @@ class DTensorOpLogger(_compat.torch_dispatch_mode_class()):
         self._hook_handles = []
 
     def _pre_hook(self, fqn: str) -> Any:
-        def enter_module(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        def enter_module(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             _tag_autograd_nodes((args, kwargs), self._current_fqn())
             self._module_stack.append(fqn)
 
         return enter_module
 
     def _post_hook(self, fqn: str) -> Any:
-        def leave_module(module: nn.Module, args: tuple, output: Any) -> None:
+        def leave_module(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             _tag_autograd_nodes(output, fqn)
             self._module_stack.pop()
 
@@ -154,7 +165,9 @@ class DTensorOpLogger(_compat.torch_dispatch_mode_class()):
     def _current_fqn(self) -> str:
         return self._module_stack[-1] if self._module_stack else ""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         if not any(issubclass(tensor_type, DTensor) for tensor_type in types):

@@ -22,7 +22,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -55,7 +55,7 @@ class GradSync:
         # its gradient is reduced with the others' at the end of backward (finish_grad_sync).
         self._frozen = [parameter for parameter in unique.values() if not parameter.requires_grad]
         self._hook_handles = [
-            parameter.register_post_accumulate_grad_hook(self._on_gradient)
+            parameter.register_post_accumulate_grad_hook(self._on_gradient)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
             for parameter in unique.values()
             if parameter.requires_grad
         ]
@@ -71,8 +71,9 @@ class GradSync:
         with torch.no_grad():
             for parameter in pending.values():
                 grad = parameter.grad
-                if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(parameter.placements):
-                    parameter.grad = grad.redistribute(parameter.device_mesh, parameter.placements)
+                watched = cast(DTensor, parameter)  # __init__ watches DTensor parameters only
+                if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(watched.placements):
+                    parameter.grad = grad.redistribute(watched.device_mesh, watched.placements)
 
     def remove(self) -> None:
         """Stop watching the parameters (pending gradients stay as they are)."""

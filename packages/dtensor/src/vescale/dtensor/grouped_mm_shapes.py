@@ -19,7 +19,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -62,7 +62,13 @@ def empty_grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, out_dtype:
     return torch.empty(grouped_mm_output_shape(mat_a, mat_b), dtype=out_dtype or mat_a.dtype, device=device)
 
 
-class GroupedMatmulShapes(_compat.torch_dispatch_mode_class()):
+if TYPE_CHECKING:
+    from vescale.dtensor._compat import TorchDispatchMode as _DispatchModeBase
+else:
+    _DispatchModeBase = _compat.torch_dispatch_mode_class()
+
+
+class GroupedMatmulShapes(_DispatchModeBase):
     """Answer ``aten._grouped_mm`` on meta or fake operands with an empty output of the right
     shape and dtype (see the module docstring); everything else runs unchanged.
 
@@ -72,7 +78,9 @@ class GroupedMatmulShapes(_compat.torch_dispatch_mode_class()):
             model(input_ids=torch.zeros(1, 8, dtype=torch.long, device="meta"))
     """
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func is torch.ops.aten._grouped_mm.default and (holds_no_data(args[0]) or holds_no_data(args[1])):
             return empty_grouped_mm_output(args[0], args[1], kwargs.get("out_dtype"))

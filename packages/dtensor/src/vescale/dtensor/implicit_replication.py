@@ -98,7 +98,9 @@ class ReplicatePlainTensorsMode(TorchFunctionMode):
         assert rotated.placements == sharded_query.placements
     """
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         exemplar = _first_dtensor(args)
         if exemplar is None:
@@ -155,14 +157,14 @@ class ImplicitReplicationHandle:
         mode = ReplicatePlainTensorsMode()
         self._active.append((mode, _compat.dtensor_implicit_replication_enabled()))
         _compat.set_dtensor_implicit_replication(True)
-        mode.__enter__()
+        mode.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
     def _exit_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         entry = self._active.pop()
         if entry is None:
             return
         mode, saved_setting = entry
-        mode.__exit__(None, None, None)
+        mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         _compat.set_dtensor_implicit_replication(saved_setting)
 
 

@@ -272,7 +272,8 @@ def distribute_tensor(
             tensor.detach(), device_mesh, replicate_everywhere, src_data_rank=src_data_rank
         )
         sharded = replicated.redistribute(device_mesh, torch_placements)
-    return sharded.requires_grad_(tensor.requires_grad)
+    sharded.requires_grad_(tensor.requires_grad)
+    return sharded
 
 
 def from_local(

@@ -47,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -88,7 +88,7 @@ class SingleDeviceRNGTracker:
         torch.manual_seed(seed)
 
 
-def _factory_handler(spec: Any, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+def _factory_handler(spec: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
     call_kwargs = dict(kwargs)
     generator = call_kwargs.pop("generator", None)
     dtype = call_kwargs.get("dtype") or torch.get_default_dtype()
@@ -113,13 +113,18 @@ def _factory_mode_class() -> type:
     """A dispatch mode (its base class is private, hence built on first use) that replaces the
     local ``rand``/``randn`` call of a DTensor factory with the exact local shard."""
 
-    class FactoryShardMode(_compat.torch_dispatch_mode_class()):
+    if TYPE_CHECKING:
+        from vescale.dtensor._compat import TorchDispatchMode as _DispatchModeBase
+    else:
+        _DispatchModeBase = _compat.torch_dispatch_mode_class()
+
+    class FactoryShardMode(_DispatchModeBase):
         def __init__(self, spec: Any) -> None:
             super().__init__()
             self.spec = spec
 
         def __torch_dispatch__(
-            self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
         ) -> Any:
             if func in _FACTORY_OPS:
                 return _factory_handler(self.spec, func, args, kwargs or {})

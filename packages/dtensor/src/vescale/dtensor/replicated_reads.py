@@ -40,14 +40,16 @@ def _nonzero(tensor: DTensor, *args: Any, **kwargs: Any) -> Any:
     return DTensor.from_local(found, mesh, replicate, run_check=False)
 
 
-_READS: dict[Callable, Callable[..., Any]] = {
+_READS: dict[Callable[..., Any], Callable[..., Any]] = {
     torch.Tensor.tolist: lambda tensor: _whole_local(tensor).tolist(),
     torch.Tensor.nonzero: _nonzero,
     torch.nonzero: _nonzero,
 }
 
 
-def read_replicated_values(func: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+def read_replicated_values(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[bool, Any]:
     """``(True, result)`` when ``func`` is a data-dependent read of a DTensor handled here,
     else ``(False, None)``."""
     read = _READS.get(func)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from vescale.dtensor import _compat
 
@@ -70,7 +71,8 @@ def shard_dim_alltoall(
     old_sizes = chunk_sizes(logical_shape[old_dim], num_ranks)
     new_sizes = chunk_sizes(logical_shape[new_dim], num_ranks)
 
-    pieces_to_send = local_tensor.split(new_sizes, dim=new_dim)
+    # torch leaves Tensor.split unannotated.
+    pieces_to_send = local_tensor.split(new_sizes, dim=new_dim)  # type: ignore[no-untyped-call]
     send_buffer = torch.cat([piece.reshape(-1) for piece in pieces_to_send])
     # What rank k sends me: its old_dim shard, cut to my new_dim piece.
     received_shapes = []
@@ -89,13 +91,17 @@ def shard_dim_alltoall(
     )
     received = [
         piece.view(shape)
-        for piece, shape in zip(receive_buffer.split(receive_splits), received_shapes, strict=True)
+        for piece, shape in zip(
+            receive_buffer.split(receive_splits),  # type: ignore[no-untyped-call]  # as above
+            received_shapes,
+            strict=True,
+        )
     ]
     return torch.cat(received, dim=old_dim)
 
 
 def _to_new_shard_dim_alltoall(
-    self,
+    self: Shard,
     local_tensor: torch.Tensor,
     mesh: DeviceMesh,
     mesh_dim: int,
@@ -104,9 +110,10 @@ def _to_new_shard_dim_alltoall(
 ) -> torch.Tensor:
     """``Shard._to_new_shard_dim`` with the all-to-all on CPU meshes; PyTorch's own elsewhere."""
     if mesh.device_type != "cpu" or _compat.local_tensor_mode_active():
-        return _compat.original_shard_to_new_shard_dim()(
+        original: torch.Tensor = _compat.original_shard_to_new_shard_dim()(
             self, local_tensor, mesh, mesh_dim, current_logical_shape, new_shard_dim
         )
+        return original
     if mesh.get_coordinate() is None:
         return local_tensor  # not a member of this mesh: it holds an empty tensor, as in PyTorch
     ndim = len(current_logical_shape)

@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -89,13 +89,14 @@ def materialize_tensor(
         bias = materialize_tensor(model.lm_head.bias)   # a plain CPU tensor
     """
     handle = deferred_handle(tensor, fqn)
+    mesh_placements: Sequence[AnyPlacement] = placements or ()
     if device_mesh is not None:
         # Checked before the replay, so a bad plan fails before any work.
-        _check_placements(fqn, handle.ref.size, device_mesh, placements or ())
+        _check_placements(fqn, handle.ref.size, device_mesh, mesh_placements)
     full = replay_tensor(handle.record, handle.ref, handle.position)
     if device_mesh is None:
         return full if _owns_its_storage(full) else full.clone()
-    sharded = distribute_tensor(full, device_mesh, placements, src_data_rank=None)
+    sharded = distribute_tensor(full, device_mesh, mesh_placements, src_data_rank=None)
     local = sharded.to_local()
     # A shard that views the full tensor would keep all of it alive.
     local = local if _owns_its_storage(local) else local.clone()
@@ -158,7 +159,8 @@ def materialize_module(
             real = nn.Parameter(real, requires_grad=deferred.requires_grad)
         for _, owner, attribute in owners:
             if attribute in owner._parameters:
-                owner._parameters[attribute] = real
+                # A registered parameter was an nn.Parameter when deferred, so ``real`` is one too.
+                owner._parameters[attribute] = cast(nn.Parameter, real)
             elif attribute in owner._buffers:
                 owner._buffers[attribute] = real
             else:

@@ -53,7 +53,11 @@ class TensorRef:
     @classmethod
     def of(cls, tensor: torch.Tensor, storage_id: int) -> TensorRef:
         return cls(
-            storage_id, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
+            storage_id,
+            tensor.dtype,
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            int(tensor.storage_offset()),
         )
 
     def covers(self, storage_nbytes: int) -> bool:
@@ -79,8 +83,8 @@ class RecordedOp:
     """
 
     op: Callable[..., Any]
-    args: tuple
-    kwargs: dict
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
     created: tuple[tuple[int, int], ...]
     written: frozenset[int]
     read: frozenset[int]

@@ -30,7 +30,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -66,7 +66,7 @@ def _constant(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def _written_values(op: Any, args: tuple, kwargs: dict) -> list[Any]:
+def _written_values(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     if op is _constant:
         return []
     written = []
@@ -76,7 +76,13 @@ def _written_values(op: Any, args: tuple, kwargs: dict) -> list[Any]:
     return tree_flatten(written)[0]
 
 
-class InitRecorder(_compat.torch_dispatch_mode_class()):
+if TYPE_CHECKING:
+    from vescale.dtensor._compat import TorchDispatchMode as _DispatchModeBase
+else:
+    _DispatchModeBase = _compat.torch_dispatch_mode_class()
+
+
+class InitRecorder(_DispatchModeBase):
     """Records every op run under it (with fake tensors) into ``record``; see the module docstring."""
 
     def __init__(self, record: InitRecord, fake_mode: Any) -> None:
@@ -101,7 +107,9 @@ class InitRecorder(_compat.torch_dispatch_mode_class()):
     def ref(self, tensor: torch.Tensor) -> TensorRef:
         return TensorRef.of(tensor, self.storage_id(tensor))
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         is_random = torch.Tag.nondeterministic_seeded in func.tags
         generator_state = self._generator_state(func, kwargs) if is_random else None
@@ -116,7 +124,7 @@ class InitRecorder(_compat.torch_dispatch_mode_class()):
             self._append(func, args, kwargs, outputs, generator_state)
         return outputs
 
-    def _generator_state(self, func: Any, kwargs: dict) -> torch.Tensor:
+    def _generator_state(self, func: Any, kwargs: dict[str, Any]) -> torch.Tensor:
         generator = kwargs.get("generator") or torch.default_generator
         if generator.device.type != "cpu":
             raise DeferredInitError(
@@ -130,7 +138,7 @@ class InitRecorder(_compat.torch_dispatch_mode_class()):
             return replay_tensor(self.record, self.ref(value), len(self.record.ops))
         return value
 
-    def _advance_generator(self, func: Any, args: tuple, kwargs: dict) -> None:
+    def _advance_generator(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         written_ids = {id(value) for value in _written_values(func, args, kwargs)}
 
         def scratch_or_real(value: Any) -> Any:
@@ -142,7 +150,7 @@ class InitRecorder(_compat.torch_dispatch_mode_class()):
             func(*tree_map(scratch_or_real, args), **tree_map(scratch_or_real, kwargs))
         release_freed_memory()
 
-    def _run_for_real(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def _run_for_real(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _written_values(func, args, kwargs):
             raise DeferredInitError(
                 f"{func} writes a tensor in place with a result that depends on tensor values; "
@@ -157,7 +165,9 @@ class InitRecorder(_compat.torch_dispatch_mode_class()):
             self._append(_constant, (outputs,), {}, fake_output, None)
         return fake_output
 
-    def _append(self, func: Any, args: tuple, kwargs: dict, outputs: Any, generator_state: Any) -> None:
+    def _append(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], outputs: Any, generator_state: Any
+    ) -> None:
         created = []
         for index, output in enumerate(tree_flatten(outputs)[0]):
             if isinstance(output, self._fake_tensor):

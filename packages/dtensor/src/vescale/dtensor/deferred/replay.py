@@ -56,7 +56,8 @@ def _run(recorded: RecordedOp, storages: dict[int, torch.UntypedStorage], record
         if isinstance(value, TensorRef):
             if value.storage_id not in storages:
                 # Dropped by ops_for because this op overwrites all of it: any bytes will do.
-                storages[value.storage_id] = torch.UntypedStorage(record.storage_nbytes[value.storage_id])
+                nbytes = record.storage_nbytes[value.storage_id]
+                storages[value.storage_id] = torch.UntypedStorage(nbytes)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
             return tensor_view(storages[value.storage_id], value)
         if isinstance(value, torch.Tensor):
             # A constant of the record: replays must not alias (and so mutate) the record's copy.

@@ -56,7 +56,9 @@ def _attention_strategies(
 ) -> list[tuple[list[Placement], list[Placement]]]:
     """All Replicate, and one strategy per independent dim sharding every tensor on it."""
     mask_count = 0 if mask is None else 1
-    strategies = [([Replicate()] * num_outputs, [Replicate()] * (num_attention_tensors + mask_count))]
+    strategies: list[tuple[list[Placement], list[Placement]]] = [
+        ([Replicate()] * num_outputs, [Replicate()] * (num_attention_tensors + mask_count))
+    ]
     for dim in _INDEPENDENT_DIMS:
         inputs: list[Placement] = [Shard(dim)] * num_attention_tensors
         if mask is not None:
@@ -65,7 +67,7 @@ def _attention_strategies(
     return strategies
 
 
-@register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
+@register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)  # type: ignore[untyped-decorator]  # torch leaves it unannotated
 def sdpa_flash_for_cpu_strategy(
     query: Any,
     key: Any,
@@ -86,7 +88,7 @@ def sdpa_flash_for_cpu_strategy(
     return _attention_strategies(2, 3, attn_mask)
 
 
-@register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+@register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)  # type: ignore[untyped-decorator]  # torch leaves it unannotated
 def sdpa_flash_for_cpu_backward_strategy(
     grad_out: Any,
     query: Any,
@@ -110,7 +112,7 @@ def sdpa_flash_for_cpu_backward_strategy(
     return _attention_strategies(3, 6, attn_mask)
 
 
-@register_sharding(aten._scaled_dot_product_attention_math.default)
+@register_sharding(aten._scaled_dot_product_attention_math.default)  # type: ignore[untyped-decorator]  # torch leaves it unannotated
 def sdpa_math_strategy(
     query: Any,
     key: Any,
@@ -179,7 +181,9 @@ def pairing_query_groups(strategy: Callable[[Any], Any], query_position: int) ->
     return filtered
 
 
-def expand_unpaired_key_value_heads(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def expand_unpaired_key_value_heads(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``scaled_dot_product_attention``'s arguments with grouped key/value heads repeated, where
     the query's head chunks would split a key/value group.
 

@@ -33,7 +33,7 @@ def _is_legacy_empty(spec: Any) -> bool:
     return len(spec.shape) == 1 and spec.shape[0] == 0
 
 
-@register_sharding(aten.cat.default)
+@register_sharding(aten.cat.default)  # type: ignore[untyped-decorator]  # torch leaves it unannotated
 def cat_strategy(tensors: list[Any], dim: int = 0) -> list[tuple[list[Placement], list[Placement]]]:
     """Placements of ``torch.cat(tensors, dim)``; legacy empty inputs stay Replicate.
 

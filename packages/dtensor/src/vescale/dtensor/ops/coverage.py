@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -104,7 +104,13 @@ def _map_tensors(value: Any, function: Any) -> Any:
     return value
 
 
-class OpCoverageRecorder(_compat.torch_dispatch_mode_class()):
+if TYPE_CHECKING:
+    from vescale.dtensor._compat import TorchDispatchMode as _DispatchModeBase
+else:
+    _DispatchModeBase = _compat.torch_dispatch_mode_class()
+
+
+class OpCoverageRecorder(_DispatchModeBase):
     """Record the aten ops that reach DTensor while active (see the module docstring).
 
     Example::
@@ -120,7 +126,9 @@ class OpCoverageRecorder(_compat.torch_dispatch_mode_class()):
         self._op_counts: Counter[str] = Counter()
         self._uncovered: dict[str, None] = {}
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         dtensor_args = [arg for arg in _flatten((args, kwargs)) if isinstance(arg, DTensor)]
         if not dtensor_args:

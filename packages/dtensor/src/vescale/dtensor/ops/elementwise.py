@@ -47,8 +47,11 @@ def elementwise_strategies(*operands: Any) -> list[tuple[list[Placement], list[P
     shapes = [_shape(operand) for operand in operands]
     tensor_shapes = [shape for shape in shapes if shape is not None]
     out_ndim = max((len(shape) for shape in tensor_shapes), default=0)
-    out_shape = torch.broadcast_shapes(*tensor_shapes) if tensor_shapes else ()
-    strategies = [([Replicate()], [None if shape is None else Replicate() for shape in shapes])]
+    # torch leaves broadcast_shapes unannotated.
+    out_shape = torch.broadcast_shapes(*tensor_shapes) if tensor_shapes else ()  # type: ignore[no-untyped-call]
+    strategies: list[tuple[list[Placement], list[Placement | None]]] = [
+        ([Replicate()], [None if shape is None else Replicate() for shape in shapes])
+    ]
     for out_dim in range(out_ndim):
         if out_shape[out_dim] == 1:
             continue
@@ -63,7 +66,7 @@ def elementwise_strategies(*operands: Any) -> list[tuple[list[Placement], list[P
     return strategies
 
 
-@register_sharding(aten.floor_divide.default)
+@register_sharding(aten.floor_divide.default)  # type: ignore[untyped-decorator]  # torch leaves it unannotated
 def floor_divide_strategy(self: Any, other: Any) -> list[tuple[list[Placement], list[Placement | None]]]:
     """``torch.floor_divide(self, other)`` with two tensors (a 0-dim ``other`` broadcasts).
 
@@ -74,7 +77,7 @@ def floor_divide_strategy(self: Any, other: Any) -> list[tuple[list[Placement], 
     return elementwise_strategies(self, other)
 
 
-@register_sharding(aten.floor_divide.Scalar)
+@register_sharding(aten.floor_divide.Scalar)  # type: ignore[untyped-decorator]  # torch leaves it unannotated
 def floor_divide_scalar_strategy(
     self: Any, other: Any
 ) -> list[tuple[list[Placement], list[Placement | None]]]:
@@ -87,7 +90,7 @@ def floor_divide_scalar_strategy(
     return elementwise_strategies(self, other)
 
 
-@register_sharding(aten.log_sigmoid_backward.default)
+@register_sharding(aten.log_sigmoid_backward.default)  # type: ignore[untyped-decorator]  # torch leaves it unannotated
 def log_sigmoid_backward_strategy(
     grad_output: Any, self: Any, buffer: Any
 ) -> list[tuple[list[Placement], list[Placement | None]]]:

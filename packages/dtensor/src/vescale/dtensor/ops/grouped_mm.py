@@ -109,7 +109,7 @@ def _output_placement(layout: _Layout, placement_a: Placement, placement_b: Plac
     return None
 
 
-def _plan(layout: _Layout, mat_a: DTensor, mat_b: DTensor) -> tuple[list, list, list]:
+def _plan(layout: _Layout, mat_a: DTensor, mat_b: DTensor) -> tuple[list[Any], list[Any], list[Any]]:
     """Placements to move (mat_a, mat_b) to, and the output's, mesh dim by mesh dim."""
     plan_a, plan_b, plan_out = [], [], []
     for placement_a, placement_b in zip(mat_a.placements, mat_b.placements, strict=True):
@@ -162,7 +162,7 @@ def _aligned(local: torch.Tensor) -> torch.Tensor:
     return padded[..., :columns]
 
 
-def grouped_mm_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
+def grouped_mm_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     """DTensor handler of ``aten._grouped_mm.default`` (see the module docstring).
 
     Example::
@@ -184,7 +184,7 @@ def grouped_mm_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
         and mat_a.device_mesh.get_coordinate() is not None
         and (offs is None) == (layout.grouped == "")
     )
-    if not supported:
+    if not supported or layout is None:  # supported implies a layout; the check narrows its type
         return dispatch_previous(op_call, args, kwargs)
     mesh = mat_a.device_mesh
     plan_a, plan_b, plan_out = _plan(layout, mat_a, mat_b)

@@ -125,7 +125,7 @@ def match_spec_layout(result: Any) -> Any:
     )
 
 
-def _layout_checked(op_call: Any, args: tuple, kwargs: dict) -> object:
+def _layout_checked(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     return match_spec_layout(dispatch_previous(op_call, args, kwargs))
 
 

@@ -71,7 +71,7 @@ def _class_sharding(tensor: Any, class_dim: int) -> _ClassSharding | None:
     return _ClassSharding(mesh_dim, offset, mesh.get_group(mesh_dim))
 
 
-def _replicated_local(tensor: Any, mesh: Any) -> torch.Tensor:
+def _replicated_local(tensor: torch.Tensor, mesh: Any) -> torch.Tensor:
     if isinstance(tensor, DTensor):
         return tensor.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
     return tensor
@@ -93,7 +93,7 @@ def _replicated_scalar(local: torch.Tensor, mesh: Any) -> DTensor:
     return DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def _log_softmax_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
+def _log_softmax_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     source, dim, half_to_float = args[0], args[1], args[2]
     sharding = _class_sharding(source, dim)
     if sharding is None:
@@ -133,7 +133,7 @@ def _known_row_sums(grad_output: DTensor, output: DTensor) -> torch.Tensor | Non
     return row_sums.values if row_sums.version == grad_output.to_local()._version else None
 
 
-def _log_softmax_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
+def _log_softmax_backward_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     grad_output, output, dim, input_dtype = args
     sharding = _class_sharding(output, dim)
     if sharding is None or not isinstance(grad_output, DTensor):
@@ -185,7 +185,7 @@ def _picked_log_probs(local: torch.Tensor, column: _TargetColumn, group: Any) ->
     return picked
 
 
-def _nll_loss_forward_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
+def _nll_loss_forward_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     log_probs, target, weight, reduction, ignore_index = args
     sharding = _loss_arguments(log_probs, target, weight)
     if sharding is None:
@@ -198,7 +198,7 @@ def _nll_loss_forward_handler(op_call: Any, args: tuple, kwargs: dict) -> object
     return _replicated_scalar(output, mesh), _replicated_scalar(total_weight, mesh)
 
 
-def _nll_loss_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
+def _nll_loss_backward_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     grad_output, log_probs, target, weight, reduction, ignore_index, total_weight = args
     sharding = _loss_arguments(log_probs, target, weight)
     if sharding is None:

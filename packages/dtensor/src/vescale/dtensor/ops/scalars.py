@@ -55,7 +55,7 @@ def replicated_value(tensor: DTensor) -> torch.Tensor:
     return full != 0 if is_bool else full
 
 
-def _scalar_read_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
+def _scalar_read_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     source = args[0]
     if not isinstance(source, DTensor) or all(isinstance(p, Replicate) for p in source.placements):
         return dispatch_previous(op_call, args, kwargs)

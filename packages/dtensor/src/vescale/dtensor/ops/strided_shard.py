@@ -51,7 +51,7 @@ def _restrided(spec: Any, split_factors: dict[int, Any]) -> Any:
     return _compat.dtensor_strategy_type("dtensor_spec")(spec.mesh, placements, tensor_meta=spec.tensor_meta)
 
 
-def moving_strided_shards(strategy: Callable[[Any], Any]) -> Callable:
+def moving_strided_shards(strategy: Callable[[Any], Any]) -> Callable[..., Any]:
     """``strategy`` deciding for a ``_StridedShard`` input as for a ``Shard`` of the same dim.
 
     Example::

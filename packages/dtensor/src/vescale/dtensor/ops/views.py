@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Placement, Shard
 
 from vescale.dtensor import _compat
 
@@ -86,7 +86,7 @@ def _unflattened_parts(op_schema: Any) -> Any | None:
         target[target.index(-1)] = math.prod(in_shape) // max(other_sizes, 1)
     if tuple(target) != unflattened:
         return None
-    output_placements = []
+    output_placements: list[Placement] = []
     for index, other in enumerate(spec.placements):
         if index == mesh_dim:
             output_placements.append(Shard(dim + 1))
@@ -95,10 +95,10 @@ def _unflattened_parts(op_schema: Any) -> Any | None:
                 return None  # the dim is cut by another mesh dim too
             other_dim = other.dim % len(in_shape)
             shifted = other_dim + 1 if other_dim > dim else other_dim
-            if type(other) is Shard:
-                output_placements.append(Shard(shifted))
-            else:
+            if isinstance(other, _STRIDED_SHARD):
                 output_placements.append(_STRIDED_SHARD(shifted, split_factor=other.split_factor))
+            else:
+                output_placements.append(Shard(shifted))
         else:
             output_placements.append(other)
     output_spec = _compat.dtensor_strategy_type("dtensor_spec")(spec.mesh, tuple(output_placements))
@@ -106,7 +106,9 @@ def _unflattened_parts(op_schema: Any) -> Any | None:
     return _compat.dtensor_strategy_type("op_strategy")([op_spec])
 
 
-def redistributing_on_unflatten(strict: Callable[[Any], Any], copying: Callable[[Any], Any]) -> Callable:
+def redistributing_on_unflatten(
+    strict: Callable[[Any], Any], copying: Callable[[Any], Any]
+) -> Callable[..., Any]:
     """A strategy function: ``strict``'s, or, where ``strict`` refuses with one of
     ``REDISTRIBUTING_VIEW_ERRORS``, the parts of an interleaved dim or ``copying``'s.
 

@@ -84,7 +84,7 @@ def shutdown_rank_pool() -> None:
 def run_on_ranks(
     function: Callable[..., Any],
     world_size: int,
-    args: tuple = (),
+    args: tuple[Any, ...] = (),
     kwargs: dict[str, Any] | None = None,
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,

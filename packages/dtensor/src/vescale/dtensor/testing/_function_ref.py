@@ -67,7 +67,8 @@ class FunctionRef:
         target: Any = self._module()
         for part in self.qualname.split("."):
             target = getattr(target, part)
-        return getattr(target, RANK_BODY_ATTRIBUTE, target)
+        function: Callable[..., Any] = getattr(target, RANK_BODY_ATTRIBUTE, target)
+        return function
 
     def _module(self) -> ModuleType:
         if self.module_name in sys.modules:

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 
 from vescale.dtensor.testing._function_ref import FunctionRef
 from vescale.dtensor.testing._protocol import READY, SHUTDOWN, RunReply, RunRequest
@@ -64,9 +64,15 @@ def mark_rank_process() -> None:
     _inside_rank_process = True
 
 
+def _reply_value(reply: RunReply, rank: int) -> bytes:
+    if reply.value is None:  # a rank that succeeded always sends its pickled return value
+        raise DistributedTestError(f"rank {rank} reported success but sent no return value")
+    return reply.value
+
+
 @dataclass
 class _RankProcess:
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
     connection: Connection
     output_file: str
     stack_file: str
@@ -147,7 +153,7 @@ class RankPool:
         self,
         function: Callable[..., Any],
         world_size: int,
-        args: tuple = (),
+        args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
         *,
         timeout_s: float,
@@ -186,7 +192,7 @@ class RankPool:
             raise failure
         if max(reply.threads for reply in replies.values()) > RECYCLE_AFTER_THREADS:
             self.close()  # leaked process groups' threads (see the module docstring)
-        return [pickle.loads(replies[rank].value) for rank in range(world_size)]
+        return [pickle.loads(_reply_value(replies[rank], rank)) for rank in range(world_size)]
 
     def close(self, *, kill: bool = False) -> None:
         """Stop every rank process (politely unless ``kill``) and forget them."""
@@ -263,7 +269,8 @@ class RankPool:
             remaining = min(limit, started + timeout_s) - time.monotonic()
             if remaining <= 0:
                 break
-            for connection in wait(list(pending), timeout=remaining):
+            # wait() returns some of the connections it was given.
+            for connection in cast(list[Connection], wait(list(pending), timeout=remaining)):
                 rank = pending.pop(connection)
                 try:
                     replies[rank] = connection.recv()

@@ -54,8 +54,9 @@ def _read_output(output_file: str) -> str:
 
 def _failure_reply(rank: int, error: BaseException, started: float, *, in_setup: bool = False) -> RunReply:
     failed_at = time.time()  # before the process group goes down and peers fail in turn
+    exception_bytes: bytes | None
     try:
-        exception_bytes: bytes | None = pickle.dumps(error)
+        exception_bytes = pickle.dumps(error)
         pickle.loads(exception_bytes)
     except Exception:
         exception_bytes = None

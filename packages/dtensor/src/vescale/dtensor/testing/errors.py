@@ -37,7 +37,8 @@ class RemoteTraceback(Exception):
         self.traceback_text = traceback_text
 
     def __str__(self) -> str:
-        return self.args[0]
+        message: str = self.args[0]
+        return message
 
 
 class RankFailedError(DistributedTestError):

@@ -48,7 +48,8 @@ class ReferenceRun:
 
 def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """The default loss: ``model(**batch).loss`` (a ``transformers`` causal LM with ``labels``)."""
-    return model(**batch).loss
+    loss: torch.Tensor = model(**batch).loss
+    return loss
 
 
 def micro_batch(batch: Any, index: int, count: int) -> Any:
@@ -127,7 +128,8 @@ def train_reference(
             micro_losses = []
             for index in range(micro_batches):
                 loss = loss_fn(model, micro_batch(batch, index, micro_batches))
-                (loss if divide_gradients or micro_batches == 1 else loss / micro_batches).backward()
+                scaled = loss if divide_gradients or micro_batches == 1 else loss / micro_batches
+                scaled.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
                 micro_losses.append(loss.detach())
             if divide_gradients and micro_batches > 1:
                 for parameter in model.parameters():

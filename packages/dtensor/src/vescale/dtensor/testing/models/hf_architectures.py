@@ -216,7 +216,7 @@ def _kept_layers(config: dict[str, Any], layer_count: int) -> list[int]:
     """The fewest layers (at least 2) whose per-layer settings cover every distinct one."""
     per_layer = [value for value in config.values() if isinstance(value, list) and len(value) == layer_count]
     index_lists = [set(config[name]) for name in _LAYER_INDEX_LISTS if isinstance(config.get(name), list)]
-    kept: dict[tuple, int] = {}
+    kept: dict[tuple[Any, ...], int] = {}
     for layer in range(layer_count):
         signature = tuple(str(values[layer]) for values in per_layer) + tuple(layer in s for s in index_lists)
         kept.setdefault(signature, layer)
@@ -306,7 +306,7 @@ def _shrink_int(
         value_heads = config.get("linear_num_value_heads") or value
         return max(1, sizes["heads"] * value // value_heads)
     state_heads = config.get("num_heads") or config.get("mamba_n_heads") or config.get("n_mamba_heads")
-    expand = config.get("expand") or config.get("mamba_expand")
+    expand: int | None = config.get("expand") or config.get("mamba_expand")
     if (
         name in ("head_dim", "mamba_d_head", "mamba_headdim")
         and expand
@@ -314,7 +314,7 @@ def _shrink_int(
         and "mamba" in str(config)
     ):
         # state-space heads tile the expanded hidden size: heads * head_dim == expand * hidden
-        heads = (
+        heads: int = (
             _SMALL_RANKS["mamba_n_heads"]
             if name != "head_dim" or "num_heads" not in config
             else sizes["heads"]
@@ -350,15 +350,17 @@ def _shrink_int(
     if name == "moe_layer_end_index":
         return layers - 1
     if name in ("mamba_d_head",) and config.get("mamba_expand"):
-        return config["mamba_expand"] * sizes["hidden"] // _SMALL_RANKS["mamba_n_heads"]
+        mamba_expand: int = config["mamba_expand"]
+        return mamba_expand * sizes["hidden"] // _SMALL_RANKS["mamba_n_heads"]
     if name in _SMALL_RANKS:
         return min(value, _SMALL_RANKS[name]) if value > 0 else value
     if name.endswith(("_token_id", "_token_index")) and value >= INPUT_ID_LIMIT:
         return value  # moved into the vocabulary by _token_ids
-    if name in ("attention_hidden_size",) and config.get("hidden_size"):
-        return value * sizes["hidden"] // config["hidden_size"]
-    if name == "embedding_size" and config.get("hidden_size"):
-        return max(8, value * sizes["hidden"] // config["hidden_size"])
+    full_hidden: int | None = config.get("hidden_size")
+    if name in ("attention_hidden_size",) and full_hidden:
+        return value * sizes["hidden"] // full_hidden
+    if name == "embedding_size" and full_hidden:
+        return max(8, value * sizes["hidden"] // full_hidden)
     return value
 
 
@@ -410,7 +412,7 @@ def default_model_failure(model_type: str) -> str | None:
 
     try:
         with torch.device("meta"):
-            AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type]())
+            AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type]())  # type: ignore[no-untyped-call]
     except Exception as error:
         return _first_line(error)
     return None
@@ -435,7 +437,7 @@ def split_variant(arch: str) -> tuple[str, dict[str, int]]:
     return model_type, sizes
 
 
-def tiny_causal_lm_config(model_type: str, sizes: dict[str, int] | None = None):
+def tiny_causal_lm_config(model_type: str, sizes: dict[str, int] | None = None) -> Any:
     """The tiny config of ``model_type``, derived from its default config (module docstring).
 
     ``model_type`` may name a variant, ``"seed_oss[kv_heads=4]"``: sizes that replace
@@ -490,14 +492,16 @@ def build_tiny_causal_lm(
         if seed is not None:
             torch.manual_seed(seed)
         try:
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+            # transformers leaves from_config unannotated.
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)  # type: ignore[no-untyped-call]
         except (ValueError, ImportError, NotImplementedError) as error:
             errors.append(error)
             continue
         if getattr(config, "languages", None) and hasattr(model, "set_default_language"):
             model.set_default_language(config.languages[0])  # X-MOD's adapters need a language
         model.train()
-        return model
+        built: nn.Module = model
+        return built
     raise errors[-1]
 
 
@@ -528,7 +532,8 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
 
         loss = causal_lm_loss(model, *tiny_causal_lm_batch())
     """
-    return model(input_ids=input_ids, labels=labels).loss
+    loss: torch.Tensor = model(input_ids=input_ids, labels=labels).loss
+    return loss
 
 
 def one_process_failure(
@@ -545,7 +550,7 @@ def one_process_failure(
         loss = causal_lm_loss(model, *tiny_causal_lm_batch())
         if loss is None:
             return "the model returns no loss for labels"
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         if not torch.isfinite(loss):
             return f"the loss is not finite ({loss.item()})"
     except Exception as error:  # any failure means: not runnable, with its first line as the reason

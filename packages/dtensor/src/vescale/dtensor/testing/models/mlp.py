@@ -32,7 +32,8 @@ class TinyMLP(nn.Module):
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             inputs = block(inputs)
-        return self.head(inputs)
+        output: torch.Tensor = self.head(inputs)
+        return output
 
 
 def build_tiny_mlp(seed: int = 0, outputs: int = 4) -> TinyMLP:

@@ -61,7 +61,8 @@ class CausalSelfAttention(nn.Module):
         attended = F.scaled_dot_product_attention(
             query, key, value, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        return self.c_proj(attended.transpose(1, 2).reshape(batch, seq_len, -1))
+        output: torch.Tensor = self.c_proj(attended.transpose(1, 2).reshape(batch, seq_len, -1))
+        return output
 
 
 class MLP(nn.Module):
@@ -72,7 +73,8 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.gelu(self.c_fc(hidden_states)))
+        output: torch.Tensor = self.c_proj(self.gelu(self.c_fc(hidden_states)))
+        return output
 
 
 class Block(nn.Module):
@@ -85,7 +87,8 @@ class Block(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = hidden_states + self.attn(self.ln_1(hidden_states))
-        return hidden_states + self.mlp(self.ln_2(hidden_states))
+        output: torch.Tensor = hidden_states + self.mlp(self.ln_2(hidden_states))
+        return output
 
 
 class NanoGPT(nn.Module):

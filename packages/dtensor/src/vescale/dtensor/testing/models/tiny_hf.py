@@ -14,6 +14,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -23,7 +25,7 @@ TINY_HF_MODELS = ("llama", "mistral", "gpt2", "mixtral")
 
 # Equal query and key/value head counts would hide grouped-query attention; 8 and 4 keep it
 # visible while both stay divisible by a tensor-parallel degree of 2 and 4.
-_DECODER_SIZES = dict(
+_DECODER_SIZES: dict[str, Any] = dict(
     vocab_size=64,
     hidden_size=32,
     intermediate_size=64,
@@ -35,7 +37,7 @@ _DECODER_SIZES = dict(
 )
 
 
-def tiny_hf_config(name: str, num_key_value_heads: int = 4, **overrides: object):
+def tiny_hf_config(name: str, num_key_value_heads: int = 4, **overrides: object) -> Any:
     """A tiny ``transformers`` config for ``name`` in :data:`TINY_HF_MODELS` or any model type.
 
     ``overrides`` replace config fields (``num_attention_heads=4``, ``pad_token_id=0``).
@@ -51,7 +53,7 @@ def tiny_hf_config(name: str, num_key_value_heads: int = 4, **overrides: object)
     return config
 
 
-def _tiny_hf_config(name: str, num_key_value_heads: int):
+def _tiny_hf_config(name: str, num_key_value_heads: int) -> Any:
     import transformers
 
     if name == "llama":
@@ -79,7 +81,8 @@ def _tiny_hf_config(name: str, num_key_value_heads: int):
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
-            attn_implementation="sdpa",
+            # Taken by PretrainedConfig's keyword arguments, which GPT2Config's annotations omit.
+            attn_implementation="sdpa",  # type: ignore[call-arg]
         )
     if name in transformers.CONFIG_MAPPING:
         # Any other decoder-only architecture, by its model type ("qwen2", "gemma2", ...).
@@ -117,15 +120,17 @@ def build_tiny_hf_model(
         model = model_class(config)
     else:
         try:
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            # transformers leaves from_config unannotated.
+            model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
         except ValueError:
             # Architectures without an SDPA path (Gemma-2's logit soft-capping) run eager attention.
             config._attn_implementation = "eager"
             torch.manual_seed(seed)
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     # Drop-out-free by config, but train() keeps the training code paths (no KV cache reuse).
     model.train()
-    return model
+    built: nn.Module = model
+    return built
 
 
 def tiny_batch(

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,9 +69,12 @@ def model_loss(model: nn.Module, name: str, input_ids: torch.Tensor, labels: tor
         loss = model_loss(model, "gpt2", input_ids, labels)
         loss.backward()
     """
+    loss: torch.Tensor
     if name == "nanogpt":
-        return model(input_ids, labels)[1]
-    return model(input_ids=input_ids, labels=labels).loss
+        loss = model(input_ids, labels)[1]
+    else:
+        loss = model(input_ids=input_ids, labels=labels).loss
+    return loss
 
 
 def _llama_family_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -160,8 +164,11 @@ class VocabParallelEmbedding(RowwiseParallel):
         super().__init__(input_layouts=Replicate(), output_layouts=output_layout, use_local_output=False)
 
     @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        outputs = RowwiseParallel._prepare_output_fn(
+    def _prepare_output_fn(
+        output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: DeviceMesh
+    ) -> Any:
+        # torch leaves RowwiseParallel._prepare_output_fn unannotated.
+        outputs = RowwiseParallel._prepare_output_fn(  # type: ignore[no-untyped-call]
             output_layouts, use_local_output, mod, outputs, device_mesh
         )
         if outputs.requires_grad:
@@ -182,7 +189,7 @@ class ParallelOutputAsShard(ParallelStyle):
         self.dim = dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def shard_output(module: nn.Module, args: tuple, output: torch.Tensor) -> DTensor:
+        def shard_output(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> DTensor:
             # Replicated parameters already give a Replicate DTensor; a plain output is the same.
             if not isinstance(output, DTensor):
                 output = DTensor.from_local(output, device_mesh, [Replicate()], run_check=False)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from vescale.dtensor.ops.coverage import OpCoverageRecorder, OpCoverageReport
+from vescale.dtensor.testing.errors import DistributedTestError
 from vescale.dtensor.testing.models.tiny_hf import tiny_batch
 from vescale.dtensor.testing.models.tp_plans import apply_tensor_parallel, build_test_model, model_loss
 
@@ -53,9 +54,20 @@ def reference_step(name: str, seed: int = 0) -> StepResult:
     model = build_test_model(name, seed)
     input_ids, labels = tiny_batch(VOCAB_SIZE)
     loss = model_loss(model, name, input_ids, labels)
-    loss.backward()
-    gradients = {param_name: param.grad.detach().clone() for param_name, param in model.named_parameters()}
+    loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
+    gradients = {
+        param_name: _grad(param_name, param).detach().clone()
+        for param_name, param in model.named_parameters()
+    }
     return StepResult(loss.item(), gradients)
+
+
+def _grad(name: str, param: torch.Tensor) -> torch.Tensor:
+    if param.grad is None:
+        raise DistributedTestError(
+            f"parameter {name!r} has no gradient after backward: the loss does not depend on it"
+        )
+    return param.grad
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -92,11 +104,11 @@ def tensor_parallel_step(
     with OpCoverageRecorder(replicate_uncovered) as forward_recorder:
         loss = model_loss(model, name, input_ids, labels)
     with OpCoverageRecorder(replicate_uncovered) as backward_recorder:
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
     loss_value = _full(loss).detach().clone()
     gradients = {}
     for param_name, param in model.named_parameters():
-        gradient = _full(param.grad).detach().clone()
+        gradient = _full(_grad(param_name, param)).detach().clone()
         if dp > 1:
             dist.all_reduce(gradient, group=mesh.get_group("dp"))
             gradient /= dp

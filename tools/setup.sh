@@ -35,9 +35,9 @@ say "installing $torch_spec and the build back-end"
 
 editable_args=()
 # The meta-package with its hf extra (the `vescale` command's default model is a transformers one),
-# its plot extra (`vescale train --plot`, matplotlib), its data extra (tokenizers, Parquet) and its
-# tensorboard extra (`vescale train --tensorboard`).
-declare -A extras=([vescale]="[hf,plot,data,tensorboard]")
+# its plot extra (`vescale train --plot`, matplotlib), its data extra (tokenizers, Parquet), its
+# datasets extra (`--data` a save_to_disk directory) and its tensorboard extra (`--tensorboard`).
+declare -A extras=([vescale]="[hf,plot,data,datasets,tensorboard]")
 for name in "${packages[@]}"; do editable_args+=(-e "packages/$name${extras[$name]:-}"); done
 say "installing ${#packages[@]} packages in editable mode: ${packages[*]}"
 # No build isolation: hatchling is already in .venv, so no throw-away build environments.

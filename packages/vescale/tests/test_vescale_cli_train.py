@@ -27,23 +27,18 @@ import pytest
 import torch
 import transformers
 
-from vescale.dtensor.testing._rank_pool import _machine_wide_rank_lock
+from vescale.cli.models import PRESETS
+from vescale.dtensor.testing._rank_pool import RANK_LOCK_ENV, _machine_wide_rank_lock
 
 VESCALE = Path(sys.executable).parent / "vescale"
 
 FIRST_STEPS, RESUMED_STEPS, MULTI_NODE_STEPS = 6, 3, 4
 GLOBAL_BATCH, SEQUENCE = 32, 128
-TINY_LLAMA = dict(
-    vocab_size=256,
-    hidden_size=128,
-    intermediate_size=344,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
-# rich wraps no table cell the tests look for; one thread per rank, as the reference runs.
-ENVIRONMENT = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
+# The command's default model: the reference builds the same preset (one definition, the CLI's).
+TINY_LLAMA = PRESETS["tiny-llama"].fields
+# rich wraps no table cell the tests look for; one thread per rank, as the reference runs. The test
+# holds the machine-wide rank lock around each job: the launcher's cpu calibration (MFU) runs under it.
+ENVIRONMENT = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1", RANK_LOCK_ENV: "none"}
 
 
 def vescale_command(*arguments: str) -> list[str]:
@@ -203,30 +198,30 @@ def test_checkpoint_of_a_run_shows_its_plan_and_exports(first_run, tmp_path):
     inspected = run_vescale("checkpoint", "inspect", str(run_dir))
     assert inspected.returncode == 0, inspected.stderr
     assert "saved by 2 ranks" in inspected.stdout
-    assert "model/model.layers.3.mlp.down_proj.weight" in inspected.stdout and "128x344" in inspected.stdout
+    hidden, intermediate = TINY_LLAMA["hidden_size"], TINY_LLAMA["intermediate_size"]
+    last = TINY_LLAMA["num_hidden_layers"] - 1
+    assert f"model/model.layers.{last}.mlp.down_proj.weight" in inspected.stdout
+    assert f"{hidden}x{intermediate}" in inspected.stdout
     assert (
         "saved plan:" in inspected.stdout and "data parallel             2, ZeRO-0 (DDP)" in inspected.stdout
     )
     exported = run_vescale("checkpoint", "export-hf", str(run_dir), str(tmp_path / "hf"))
     assert exported.returncode == 0, exported.stderr
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # config.json copied beside
-    assert model.config.hidden_size == 128 and model.model.layers[3].mlp.down_proj.weight.shape == (128, 344)
+    assert model.config.hidden_size == hidden
+    assert model.model.layers[last].mlp.down_proj.weight.shape == (hidden, intermediate)
 
 
 def test_a_checkpoint_that_does_not_fit_the_model_is_one_line_from_the_ranks(first_run, tmp_path):
     run_dir, _ = first_run
     narrow = tmp_path / "narrow.json"
-    narrow.write_text(json.dumps({"model_type": "llama", **TINY_LLAMA, "hidden_size": 64}))
+    vocab, hidden = TINY_LLAMA["vocab_size"], TINY_LLAMA["hidden_size"]
+    narrow.write_text(json.dumps({"model_type": "llama", **TINY_LLAMA, "hidden_size": hidden // 2}))
+    # A user error met by the ranks is not retried (--max-restarts): one attempt, one line, exit 2.
     completed = run_vescale(
-        "train",
-        "--nproc",
-        "2",
-        "--steps",
-        "1",
-        "--checkpoint-dir",
-        str(run_dir),
-        "--resume",
-        "--model",
-        str(narrow),
+        "train", "--nproc", "2", "--steps", "1", "--checkpoint-dir", str(run_dir), "--resume",
+        "--model", str(narrow), "--max-restarts", "2", "--save-every", "1",
+    )  # fmt: skip
+    assert_one_line_error(
+        completed, "'model/lm_head.weight'", f"shape ({vocab}, {hidden})", f"shape ({vocab}, {hidden // 2})"
     )
-    assert_one_line_error(completed, "'model/lm_head.weight'", "shape (256, 128)", "shape (256, 64)")

@@ -86,7 +86,7 @@ def find_saved_plan(objects: dict[str, Any]) -> Any:
     return None
 
 
-def _human_bytes(count: int) -> str:
+def _human_bytes(count: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if count < 1024 or unit == "TiB":
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"

@@ -27,17 +27,20 @@ __all__ = ["Evaluator"]
 class Evaluator:
     """The held-out samples' loss under the parallel model, in the training loop's batch layout."""
 
-    def __init__(self, held_out: Dataset, loader: Any, plan: Any, device: torch.device) -> None:
+    def __init__(
+        self, held_out: Dataset[dict[str, torch.Tensor]], loader: Any, plan: Any, device: torch.device
+    ) -> None:
         if plan.pipeline is not None:
             raise CLIUsageError(
                 "--eval-every runs forward passes without backward, which pipeline schedules do not; "
                 "drop --eval-every or the pipeline_parallel constraint"
             )
         self.global_batch_size = plan.global_batch_size
-        self.batches = len(held_out) // self.global_batch_size
+        samples = len(held_out)  # type: ignore[arg-type]  # a map-style dataset: TokenDataset
+        self.batches = samples // self.global_batch_size
         if self.batches < 1:
             raise CLIUsageError(
-                f"the held-out split has {len(held_out)} samples, fewer than one global batch of "
+                f"the held-out split has {samples} samples, fewer than one global batch of "
                 f"{self.global_batch_size}; raise --eval-fraction or use more --data"
             )
         self.held_out = held_out
@@ -58,4 +61,4 @@ class Evaluator:
                 full_tensor = getattr(loss, "full_tensor", None)
                 total += float((full_tensor() if full_tensor else loss).detach())
         model.train(was_training)
-        return total / self.batches
+        return float(total / self.batches)

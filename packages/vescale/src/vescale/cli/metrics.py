@@ -9,9 +9,8 @@ first drops the entries after the step it resumed from, so the file is the curve
 
 MFU is the model's FLOPs per second over the devices' peak: ``6 N + 12 L h s`` FLOPs per token
 (``N`` parameters without the input embedding, ``L`` layers, ``h`` hidden size, ``s`` sequence
-length; forward and backward, PaLM's formula). The peak of a GPU comes from the planner's
-hardware profiles (:mod:`vescale.planner.hardware`) when its name matches one; otherwise, and on
-CPU, it is measured: a few float32 matmuls timed on this rank (:func:`measured_peak_flops`).
+length; forward and backward, PaLM's formula). The peak is the planner's hardware profile of
+the device: a GPU's built-in profile, a CPU's calibrated one (:mod:`vescale.cli.hardware_peak`).
 
 Example::
 
@@ -24,7 +23,6 @@ from __future__ import annotations
 import json
 import resource
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +31,7 @@ from torch import nn
 
 from vescale.cli.errors import CLIUsageError
 
-__all__ = ["MetricsLog", "check_tensorboard_available", "flops_per_token", "max_memory_bytes", "peak_flops"]
-
-_MATMUL_SIZE = 512
+__all__ = ["MetricsLog", "check_tensorboard_available", "flops_per_token", "max_memory_bytes"]
 
 
 def check_tensorboard_available() -> None:
@@ -70,55 +66,6 @@ def flops_per_token(model: nn.Module, sequence_length: int) -> float:
     layers = getattr(config, "num_hidden_layers", 0) or 0
     hidden = getattr(config, "hidden_size", 0) or 0
     return 6.0 * parameters + 12.0 * layers * hidden * sequence_length
-
-
-def measured_peak_flops(device: torch.device) -> float:
-    """FLOP/s of float32 ``512 x 512`` matmuls on ``device`` with this process's threads (~0.2 s).
-
-    Example::
-
-        measured_peak_flops(torch.device("cpu")) / 1e9   # GFLOP/s of one rank
-    """
-    left = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE, device=device)
-    right = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE, device=device)
-    for _ in range(2):  # warm-up: thread pool, caches
-        torch.mm(left, right)
-    repeats, started = 0, time.perf_counter()
-    while time.perf_counter() - started < 0.2:
-        torch.mm(left, right)
-        repeats += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 2.0 * _MATMUL_SIZE**3 * repeats / (time.perf_counter() - started)
-
-
-def _profile_peak(device: torch.device) -> float | None:
-    try:
-        from vescale.planner.hardware import BUILTIN_PROFILES
-    except ImportError:
-        return None
-    name = torch.cuda.get_device_name(device).lower()
-    memory_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
-    matches = [
-        profile
-        for key, profile in BUILTIN_PROFILES.items()
-        if key.split("-")[0] in name and abs(profile.memory_gb - memory_gb) / profile.memory_gb < 0.2
-    ]
-    return matches[0].peak_flops("bf16") if len(matches) == 1 else None
-
-
-def peak_flops(device: torch.device) -> tuple[float, str]:
-    """The peak FLOP/s of one device and where the figure comes from (a profile, or measured).
-
-    Example::
-
-        peak, source = peak_flops(torch.device("cpu"))   # (..., 'measured float32 matmul')
-    """
-    if device.type == "cuda":
-        profiled = _profile_peak(device)
-        if profiled is not None:
-            return profiled, "the planner's hardware profile (bf16)"
-    return measured_peak_flops(device), "measured float32 matmul"
 
 
 def max_memory_bytes(device: torch.device) -> int:

@@ -71,6 +71,8 @@ def _reference_step(
             (weighted * dp).backward()
             weighted = weighted.detach()
             rank_loss = weighted if rank_loss is None else rank_loss + weighted
+        if rank_loss is None:
+            raise AssertionError("a rank's rows made no micro-batch")
         rank_losses.append(rank_loss)
         # A parameter this rank's rows did not reach (an idle expert) adds zeros, as in a reduction.
         gradients = [

@@ -11,6 +11,18 @@ two records and prints one line per failed attempt::
 
 The restarted rank 0 then prints the step it resumed from.
 
+Two more decisions are taken on those records, before the agent acts on them:
+
+* a **user error** (a rank wrote the run's error file: a bad constraint, a checkpoint that does
+  not fit) is not retried: the same error would come back in every attempt. The reporter stops
+  the agent with :class:`UserErrorStop` instead of letting it restart, and the launcher prints
+  the error once;
+* when the agent tears down an attempt, every worker still alive that is **stopped** (SIGSTOP)
+  or, after a ``--timeout`` stall, still running, is sent ``SIGCONT`` and
+  :data:`~vescale.cli.watchdog.STACK_DUMP_SIGNAL`: it prints its Python stack, and the agent's
+  SIGTERM then ends it at once (a stopped process would keep the SIGTERM pending through the
+  agent's 30 s grace, and be SIGKILLed without a word).
+
 Example::
 
     with RestartReporter(node_rank=0, nproc=4, max_restarts=2).listening():
@@ -20,14 +32,18 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from pathlib import Path
 
-from vescale.cli.watchdog import TIMEOUT_EXIT_CODE
+from vescale.cli.train_options import ERROR_FILE_NAME, STALL_FILE_NAME
+from vescale.cli.watchdog import STACK_DUMP_SIGNAL, TIMEOUT_EXIT_CODE
 
-__all__ = ["RestartReporter", "describe_exit"]
+__all__ = ["RestartReporter", "UserErrorStop", "describe_exit", "process_state"]
 
 _PROCESS_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 _AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
@@ -50,26 +66,97 @@ def describe_exit(exit_code: int) -> str:
     return f"exited with status {exit_code} (its traceback is above)"
 
 
-class RestartReporter(logging.Handler):
-    """Turns the agent's failure and restart records into the lines described in the module docstring."""
+# The time a resumed rank gets to write its stack before the agent's SIGTERM (a few ms are needed).
+_STACK_DUMP_WAIT_S = 0.5
 
-    def __init__(self, node_rank: int, nproc: int, max_restarts: int) -> None:
+
+class UserErrorStop(Exception):
+    """Raised through the agent when a rank reported a user error: no restart, the error is printed once."""
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` (``R``, ``S``, ``T`` stopped, ``Z``...), or ``None`` if unknown.
+
+    Read from ``/proc`` (Linux); elsewhere ``None``.
+
+    Example::
+
+        process_state(os.getpid())   # 'R'
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # "pid (command) state ...": the command may hold spaces and parentheses.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return fields[0] if fields else None
+
+
+def _global_rank(pid: int) -> str:
+    try:
+        environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return f"pid {pid}"
+    for variable in environment:
+        if variable.startswith(b"RANK="):
+            return f"rank {variable[5:].decode()} (pid {pid})"
+    return f"pid {pid}"
+
+
+class RestartReporter(logging.Handler):
+    """Turns the agent's failure and restart records into the lines described in the module docstring.
+
+    ``run_dir``: the launch's directory, where a rank's user error (:data:`ERROR_FILE_NAME`) and
+    the watchdog's stall marker (:data:`STALL_FILE_NAME`) appear.
+    """
+
+    def __init__(self, node_rank: int, nproc: int, max_restarts: int, run_dir: Path | None = None) -> None:
         super().__init__(logging.INFO)
         self.node_rank = node_rank
         self.nproc = nproc
         self.max_restarts = max_restarts
+        self.run_dir = run_dir
         self.attempt = 1
         self.failure: str | None = None
+
+    @property
+    def error_file(self) -> Path | None:
+        """Where the first rank that meets a user error writes its line."""
+        return self.run_dir / ERROR_FILE_NAME if self.run_dir is not None else None
+
+    @property
+    def stall_file(self) -> Path | None:
+        """Created by a rank's watchdog when a step made no progress within ``--timeout``."""
+        return self.run_dir / STALL_FILE_NAME if self.run_dir is not None else None
+
+    def _dump_stack(self, pid: int) -> None:
+        """Before the agent's SIGTERM reaches ``pid``: resume it if stopped, and have it print its stack."""
+        state = process_state(pid)
+        stalled = self.stall_file is not None and self.stall_file.exists()
+        if state is None or state in "ZXx" or not (state in "Tt" or stalled):
+            return
+        why = "is stopped (SIGSTOP)" if state in "Tt" else "is still running"
+        print(f"{_global_rank(pid)} {why}; its Python stack:", file=sys.stderr, flush=True)
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, STACK_DUMP_SIGNAL)
+            time.sleep(_STACK_DUMP_WAIT_S)
 
     def emit(self, record: logging.LogRecord) -> None:
         message = str(record.msg)
         arguments = record.args if isinstance(record.args, tuple) else ()
-        if message.startswith("failed (exitcode") and len(arguments) >= 2:
+        if message.startswith("Sending process") and arguments and isinstance(arguments[0], int):
+            self._dump_stack(arguments[0])
+        elif message.startswith("failed (exitcode") and len(arguments) >= 2:
             exit_code, local_rank = arguments[0], arguments[1]
             if isinstance(exit_code, int) and isinstance(local_rank, int):
                 rank = self.node_rank * self.nproc + local_rank
                 self.failure = f"rank {rank} {describe_exit(exit_code)}"
         elif "will restart worker group" in message:
+            if self.error_file is not None and self.error_file.is_file():
+                raise UserErrorStop(self.error_file.read_text().strip())
+            if self.stall_file is not None:
+                self.stall_file.unlink(missing_ok=True)
             what = self.failure or "a rank failed"
             self.attempt += 1
             print(

@@ -173,7 +173,7 @@ def _eos_id(tokenizer: object, eos_token_id: int | None) -> int:
     for name in _EOS_NAMES:
         found = tokenizer.token_to_id(name)  # type: ignore[attr-defined]
         if found is not None:
-            return found
+            return int(found)
     raise CLIUsageError(
         f"the tokenizer has none of the end-of-text tokens {', '.join(_EOS_NAMES)} and the model config "
         "no eos_token_id; set eos_token_id in config.json"
@@ -212,13 +212,18 @@ def corpus_tokens(source: CorpusSource, eos_token_id: int | None = None) -> torc
         corpus_tokens(CorpusSource("corpus.jsonl", "tokenizer.json"), eos_token_id=2).shape
     """
     data = Path(source.data)
+    if not data.exists():
+        raise CLIUsageError(f"--data {source.data!r}: no such file or directory; pass a .txt, .jsonl, "
+                            ".parquet file or a directory saved by datasets")  # fmt: skip
     key = hashlib.sha256()
     key.update(_content_hash(data).encode())
     key.update((_content_hash(Path(source.tokenizer)) if source.tokenizer else "bytes").encode())
     key.update(f"{source.text_field}\0{eos_token_id}".encode())
-    cache = (data if data.is_dir() else data.parent) / _CACHE_DIR / f"{data.name}.{key.hexdigest()[:20]}.pt"
+    # Beside the data, a dataset directory included: inside it, the cache would change the directory's hash.
+    cache = data.parent / _CACHE_DIR / f"{data.name}.{key.hexdigest()[:20]}.pt"
     if cache.is_file():
-        return torch.load(cache, weights_only=True)
+        cached: torch.Tensor = torch.load(cache, weights_only=True)
+        return cached
     tokens = encode_documents(read_documents(source.data, source.text_field), source.tokenizer, eos_token_id)
     try:
         cache.parent.mkdir(exist_ok=True)

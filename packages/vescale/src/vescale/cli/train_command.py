@@ -19,14 +19,16 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, cast
 
 from vescale.cli.errors import USER_ERROR_EXIT_CODE, CLIUsageError
-from vescale.cli.restart_reports import RestartReporter, describe_exit
+from vescale.cli.restart_reports import RestartReporter, UserErrorStop, describe_exit
 from vescale.cli.run_checkpoints import newest_checkpoint
 from vescale.cli.text_corpus import copy_tokenizer_files, tokenizer_file
-from vescale.cli.train_options import TrainOptions
+from vescale.cli.train_options import ERROR_FILE_NAME, TrainOptions
 
 __all__ = ["LaunchOptions", "torchrun_arguments", "train_command"]
 
@@ -138,7 +140,7 @@ def _check_run_options(options: TrainOptions, launch: LaunchOptions) -> None:
         check_tensorboard_available()
 
 
-def _launch(options: TrainOptions, launch: LaunchOptions) -> None:
+def _launch(options: TrainOptions, launch: LaunchOptions, run_dir: Path) -> None:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -147,12 +149,17 @@ def _launch(options: TrainOptions, launch: LaunchOptions) -> None:
     # The agent logs every failed rank; the error file (or the rank's own traceback) says it better.
     # Its failure and restart records become one line per failed attempt (RestartReporter).
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    reporter = RestartReporter(launch.node_rank, launch.nproc, launch.max_restarts)
+    reporter = RestartReporter(launch.node_rank, launch.nproc, launch.max_restarts, run_dir)
     try:
         with reporter.listening():
-            torchrun.run(torchrun.parse_args(torchrun_arguments(options, launch)))
+            # torch leaves torchrun's entry points unannotated: typed here.
+            parse_args = cast(Callable[[list[str]], Any], torchrun.parse_args)
+            cast(Callable[[Any], None], torchrun.run)(parse_args(torchrun_arguments(options, launch)))
+    except UserErrorStop as stop:  # a rank's user error: the next attempt would meet it again
+        print(str(stop), file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT_CODE)
     except ChildFailedError as failure:
-        error_file = Path(options.error_file) if options.error_file else None
+        error_file = reporter.error_file
         if error_file is not None and error_file.is_file():
             print(error_file.read_text().strip(), file=sys.stderr)
             sys.exit(USER_ERROR_EXIT_CODE)
@@ -165,6 +172,17 @@ def _launch(options: TrainOptions, launch: LaunchOptions) -> None:
             file=sys.stderr,
         )
         sys.exit(1)
+
+
+def _cpu_peak_flops(launch: LaunchOptions) -> float | None:
+    """MFU's denominator on CPU ranks: the planner's calibrated cpu profile (rank 0's node measures it)."""
+    import torch
+
+    if launch.node_rank != 0 or torch.cuda.is_available():
+        return None
+    from vescale.cli.hardware_peak import calibrated_cpu_peak
+
+    return calibrated_cpu_peak(launch.nproc)[0]
 
 
 def _compare(options: TrainOptions, plot: Path | None, compare: bool) -> None:
@@ -205,10 +223,11 @@ def train_command(options: TrainOptions, launch: LaunchOptions, *, compare: bool
     if options.resume:  # --steps more steps after the newest checkpoint, however often the ranks restart
         found = newest_checkpoint(Path(options.checkpoint_dir))
         options = replace(options, start_step=found[0] if found is not None else 0)
+    options = replace(options, cpu_peak_flops=_cpu_peak_flops(launch))
     if compare:
         # Rank-ordered gradient sums: the order the single-device reference can repeat exactly.
         options = replace(options, deterministic=True)
     with tempfile.TemporaryDirectory(prefix="vescale-train-") as run_dir:
-        _launch(replace(options, error_file=str(Path(run_dir) / "error.txt")), launch)
+        _launch(replace(options, error_file=str(Path(run_dir) / ERROR_FILE_NAME)), launch, Path(run_dir))
     if launch.node_rank == 0 and (compare or plot is not None):
         _compare(options, plot, compare)

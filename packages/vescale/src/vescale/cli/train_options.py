@@ -14,12 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOSSES_FILE_NAME", "METRICS_FILE_NAME", "TrainOptions"]
+__all__ = ["ERROR_FILE_NAME", "LOSSES_FILE_NAME", "METRICS_FILE_NAME", "STALL_FILE_NAME", "TrainOptions"]
 
 LOSSES_FILE_NAME = "losses.json"
 """Rank 0 keeps the loss curve of a run (all its resumed parts) beside its checkpoints."""
 METRICS_FILE_NAME = "metrics.jsonl"
 """Rank 0 appends one JSON object per logged step (and per evaluation) beside the checkpoints."""
+ERROR_FILE_NAME = "error.txt"
+"""In the launch's own directory: the first rank that meets a user error writes its one line there."""
+STALL_FILE_NAME = "stalled"
+"""In the launch's own directory: a rank's watchdog creates it when a step outlived ``--timeout``."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,8 @@ class TrainOptions:
     from (0 for a new run); the run ends at ``start_step + steps`` however often it restarts.
     ``save_every``: an async checkpoint every that many steps (0: only at the end).
     ``timeout_s``: a step (its collectives included) that takes longer fails the attempt with
-    every rank's Python stack.
+    every rank's Python stack. ``cpu_peak_flops``: one CPU rank's float32 FLOP/s per thread from the
+    planner's calibrated profile (the launcher measures it; MFU's denominator on CPU).
     """
 
     model: str = "tiny-llama"
@@ -56,11 +61,17 @@ class TrainOptions:
     text_field: str = "text"
     eval_every: int = 0
     eval_fraction: float = 0.05
+    cpu_peak_flops: float | None = None
 
     @property
     def end_step(self) -> int:
         """The step the run ends at, across resumes and restarts."""
         return self.start_step + self.steps
+
+    @property
+    def stall_file(self) -> Path | None:
+        """Beside the error file: the watchdog's mark that a step stalled (the launcher then dumps stacks)."""
+        return Path(self.error_file).with_name(STALL_FILE_NAME) if self.error_file else None
 
     @property
     def metrics_file(self) -> Path:

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from vescale.cli.data import BYTE_VOCABULARY, TokenDataset, split_for_eval, training_tokens
 from vescale.cli.errors import USER_ERROR_EXIT_CODE, CLIUsageError, format_user_error, user_errors
 from vescale.cli.evaluation import Evaluator
-from vescale.cli.metrics import MetricsLog, flops_per_token, max_memory_bytes, peak_flops
+from vescale.cli.hardware_peak import rank_peak_flops
+from vescale.cli.metrics import MetricsLog, flops_per_token, max_memory_bytes
 from vescale.cli.models import resolve_model
 from vescale.cli.pretrained import pretrained_weights, with_pretrained_weights
 from vescale.cli.progress import TrainingProgress
@@ -45,7 +46,7 @@ from vescale.cli.run_checkpoints import (
 from vescale.cli.run_layout import RunLayout
 from vescale.cli.text_corpus import tokenizer_file, tokenizer_vocabulary
 from vescale.cli.train_options import TrainOptions
-from vescale.cli.watchdog import StepWatchdog
+from vescale.cli.watchdog import StepWatchdog, register_stack_dump
 from vescale.doptim import clip_grad_norm_
 
 __all__ = ["main", "train"]
@@ -75,15 +76,13 @@ def _init_process_group(attempt: int) -> tuple[torch.device, str]:
 
     Returns the device the batches go to and a description for the header line.
     """
-    group = dict(
-        store=_attempt_store(attempt), rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
-    )
+    store, rank, world_size = _attempt_store(attempt), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", **group)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size)
         return device, f"nccl on {torch.cuda.get_device_name()}"
-    dist.init_process_group("gloo", **group)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     return torch.device("cpu"), f"gloo on CPU, {torch.get_num_threads()} thread(s) per rank"
 
 
@@ -207,6 +206,8 @@ def train(options: TrainOptions) -> None:
         dataset,
         compile=options.compile,
     )
+    if optimizer is None:  # parallelize returns one whenever it is given an optimizer factory
+        raise AssertionError("vescale.parallelize returned no optimizer")
     evaluator = Evaluator(held_out, loader, plan, device) if held_out is not None else None
     state = {
         "plan": plan,
@@ -228,11 +229,12 @@ def train(options: TrainOptions) -> None:
         print(f"{where}resumed from {checkpoint_dir} at step {first_step}{last}", flush=True)
     elif is_rank0 and attempt > 1:
         print(f"attempt {attempt}: no checkpoint was complete yet; starting again at step 0", flush=True)
-    peak, _ = peak_flops(device) if is_rank0 else (None, "")
+    dtype = next(model.parameters()).dtype
+    peak = rank_peak_flops(device, options.cpu_peak_flops, dtype) if is_rank0 else None
     saver = PeriodicCheckpoints(checkpoint_dir, options.save_every, options.keep_last, options.end_step)
     batches = iter(loader)
     with (
-        StepWatchdog(options.timeout_s, rank) as watchdog,
+        StepWatchdog(options.timeout_s, rank, options.stall_file) as watchdog,
         MetricsLog(options.metrics_file, options.tensorboard, first_step, enabled=is_rank0) as metrics,
         TrainingProgress(
             options.end_step - first_step,
@@ -319,6 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     """The rank's entry point: ``python -m vescale.cli.train_worker '<TrainOptions JSON>'``."""
     arguments = sys.argv[1:] if argv is None else argv
     options = TrainOptions.from_json(arguments[0])
+    register_stack_dump()  # the launcher asks a stopped or stuck rank for its stack
     try:
         train(options)
     except Exception as error:

@@ -8,6 +8,13 @@ stalled, dumps every thread's Python stack (``faulthandler``) and exits with
 (``--max-restarts``). The collectives release the GIL while they wait, so the thread runs; a
 ``faulthandler`` timer a little later, in C, covers a rank stuck with the GIL held.
 
+A rank that cannot run at all (stopped with SIGSTOP, or stuck with the GIL held when its peers
+give up first) cannot print its own stack: :func:`register_stack_dump` makes
+:data:`STACK_DUMP_SIGNAL` print it from C, and the launcher sends that signal (after ``SIGCONT``)
+to every rank still alive when it tears down an attempt that stalled
+(:mod:`vescale.cli.restart_reports`). The watchdog marks a stall with ``stall_file`` so that
+the launcher knows.
+
 Example::
 
     with StepWatchdog(timeout_s=60, rank=0) as watchdog:
@@ -18,26 +25,47 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
+import signal
 import sys
 import threading
+from pathlib import Path
 
-__all__ = ["TIMEOUT_EXIT_CODE", "StepWatchdog"]
+__all__ = ["STACK_DUMP_SIGNAL", "TIMEOUT_EXIT_CODE", "StepWatchdog", "register_stack_dump"]
 
 TIMEOUT_EXIT_CODE = 3
 """Exit status of a rank the watchdog stopped (the launcher names it in its message)."""
+
+STACK_DUMP_SIGNAL = signal.SIGUSR2
+"""The signal on which a rank prints every thread's Python stack (SIGUSR1 is Slurm's usual warning)."""
 
 # The C timer's margin behind the Python thread: the thread's message comes first when it can run.
 _FALLBACK_MARGIN_S = 10.0
 
 
-class StepWatchdog:
-    """Stops this rank with its stacks when :meth:`arm` is not called again within ``timeout_s``."""
+def register_stack_dump() -> None:
+    """Print every thread's Python stack to stderr on :data:`STACK_DUMP_SIGNAL` (from C: no GIL needed).
 
-    def __init__(self, timeout_s: float, rank: int) -> None:
+    Example::
+
+        register_stack_dump()
+        os.kill(os.getpid(), STACK_DUMP_SIGNAL)   # prints the stacks, the process runs on
+    """
+    faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
+
+
+class StepWatchdog:
+    """Stops this rank with its stacks when :meth:`arm` is not called again within ``timeout_s``.
+
+    ``stall_file``: created just before the rank exits on a stall, for the launcher to find.
+    """
+
+    def __init__(self, timeout_s: float, rank: int, stall_file: Path | None = None) -> None:
         self.timeout_s = timeout_s
         self.rank = rank
+        self.stall_file = stall_file
         self._step = 0
         self._armed = threading.Event()
         self._progress = threading.Condition()
@@ -89,6 +117,10 @@ class StepWatchdog:
                     self._fail()
 
     def _fail(self) -> None:
+        if self.stall_file is not None:
+            # The marker only adds the other ranks' stacks; the exit status says it all.
+            with contextlib.suppress(OSError):
+                self.stall_file.touch()
         print(
             f"error: rank {self.rank} made no progress in step {self._step} for {self.timeout_s:g} s "
             "(--timeout); the Python stacks of its threads:",

@@ -1,10 +1,12 @@
-"""Boolean-mask indexing and ``index_add_`` of DTensors give the single-device values.
+"""Boolean masks (indexing, ``where``, ``masked_fill``) and ``index_add_`` of DTensors give the
+single-device values.
 
 X-MOD's ``hidden[lang_mask]`` and LongCat-Flash's ``torch.where(expert_mask)`` reach aten's
 ``nonzero`` below any Python mode; DTensor could not propagate them. LongCat-Flash's
 ``final.index_add_(0, token_idx, partial_output)`` into a Replicate tensor was relabelled
 Partial by DTensor's decomposition path without changing the data (1.2e-3 off, silently).
-Each case is compared with the same op on plain tensors.
+Gemma-3n's ``masked_fill_(mask, 0)`` on a Partial tensor was refused; filling with zero keeps
+the Partial sum. Each case is compared with the same op on plain tensors.
 """
 
 from __future__ import annotations
@@ -54,6 +56,25 @@ def index_cases_on_rank() -> dict:
     results["index_add_ on a column-sharded tensor"] = column_sharded.placements == (
         Shard(1),
     ) and torch.allclose(column_sharded.full_tensor(), expected, rtol=1e-6, atol=1e-6)
+
+    partial_piece = DTensor.from_local(base / 2, mesh, [Partial()], run_check=False)
+    row_mask = distribute_tensor(
+        torch.tensor([[True], [False], [True], [False], [False], [True]]), mesh, [Replicate()]
+    )
+    expected = base.masked_fill(row_mask.full_tensor(), 0)
+    filled = partial_piece.masked_fill(row_mask, 0)
+    results["masked_fill with 0 of a Partial tensor stays Partial"] = filled.placements == (
+        Partial(),
+    ) and torch.allclose(filled.full_tensor(), expected, rtol=1e-6, atol=1e-6)
+    partial_piece.masked_fill_(row_mask, 0)
+    results["masked_fill_ with 0 of a Partial tensor"] = torch.allclose(
+        partial_piece.full_tensor(), expected, rtol=1e-6, atol=1e-6
+    )
+    # after the zero fills above: a fill value DTensor's strategy cache cannot tell apart
+    other = DTensor.from_local(base / 2, mesh, [Partial()], run_check=False).masked_fill(row_mask, 1.5)
+    results["masked_fill with 1.5 of a Partial tensor is reduced first"] = torch.allclose(
+        other.full_tensor(), base.masked_fill(row_mask.full_tensor(), 1.5), rtol=1e-6, atol=1e-6
+    )
     return results
 
 

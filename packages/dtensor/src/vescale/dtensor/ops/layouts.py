@@ -76,7 +76,7 @@ def expected_local_stride(tensor: DTensor) -> tuple[int, ...] | None:
         expected_local_stride(dtensor)  # (64, 1, 8) for a replicated one
     """
     shape, stride = tuple(tensor.shape), tuple(tensor.stride())
-    local_shape = tuple(tensor._local_tensor.shape)
+    local_shape = tuple(tensor.to_local().shape)
     order = sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: -stride[d])
     running = 1
     for d in reversed(order):
@@ -90,7 +90,7 @@ def expected_local_stride(tensor: DTensor) -> tuple[int, ...] | None:
         running *= max(local_shape[d], 1)
     for d in range(len(shape)):
         if shape[d] == 1:  # any stride describes a size-1 dimension: keep the local one
-            local_stride[d] = tensor._local_tensor.stride(d)
+            local_stride[d] = tensor.to_local().stride(d)
     return tuple(local_stride)
 
 
@@ -109,7 +109,7 @@ def match_spec_layout(result: Any) -> Any:
         return type(result)(match_spec_layout(item) for item in result)
     if not isinstance(result, DTensor):
         return result
-    local = result._local_tensor
+    local = result.to_local()
     stride = expected_local_stride(result)
     if stride is None or local.numel() == 0 or _agrees(local, stride):
         return result

@@ -1,14 +1,15 @@
 """10 AdamW steps under DDP and ZeRO 1/2/3 against one process training on the global batch.
 
-Reference: a deep copy of the same tiny MLP (same seed) in one process, float32, one thread,
-``torch.optim.AdamW`` with ``torch.nn.utils.clip_grad_norm_`` and a ``StepLR`` schedule, each
-step on the whole global batch (mean loss). Each rank trains on its contiguous slice of the
-same batch; averaging the slices' mean-loss gradients over dp gives the global batch's
-gradient up to summation order, so the compared quantity, every parameter after 10 steps,
-differs from the reference by float32 rounding (~1e-7 relative), far inside the issue's
-1e-5 relative bound (relative error = max |parallel - reference| / max |reference|).
-Small buckets (a few hundred bytes) make several buckets and parameters that straddle ZeRO
-chunks.
+Reference: ``vescale.dtensor.testing.reference.train_reference`` on the kit's tiny MLP (same
+seed), float32, one thread, ``torch.optim.AdamW`` with ``torch.nn.utils.clip_grad_norm_`` and a
+``StepLR`` schedule, each step on the whole global batch (mean loss). Each rank trains on its
+contiguous slice of the same batch; averaging the slices' mean-loss gradients over dp gives the
+global batch's gradient up to summation order, so the compared quantities, every parameter
+after 10 steps and every gradient of the first step (read back from one clipped SGD step:
+AdamW would normalise a wrong gradient scale away), differ from the reference by float32
+rounding (~1e-7 relative), far inside the issue's 1e-5 relative bound (relative error = max
+|parallel - reference| / max |reference|). Small buckets (a few hundred bytes) make several
+buckets and parameters that straddle ZeRO chunks.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import torch.distributed as dist
 from vescale.doptim import DistributedOptimizer, clip_grad_norm_, data_parallel
 from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
+from vescale.dtensor.testing.models.mlp import build_tiny_mlp, mlp_batches, mse_loss
+from vescale.dtensor.testing.numerics import assert_close_by_fqn, full_parameters, sgd_step_gradients
+from vescale.dtensor.testing.reference import ReferenceRun, train_reference
 
 PARAM_RTOL = 1e-5
 NORM_RTOL = 1e-5
@@ -27,96 +31,84 @@ STEPS = 10
 GLOBAL_BATCH = 8
 MAX_NORM = 0.05  # below the early gradient norms, so clipping really scales them
 BUCKET_MB = 400 / 2**20
-
-
-class TinyMLP(torch.nn.Module):
-    """Two blocks in a ModuleList (ZeRO-3's FSDP2 units) and a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(
-            [
-                torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh()),
-                torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.Tanh()),
-            ]
-        )
-        self.head = torch.nn.Linear(12, 4)
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            inputs = block(inputs)
-        return self.head(inputs)
-
-
-def build_mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return TinyMLP()
-
-
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1)
-    return [
-        (torch.randn(GLOBAL_BATCH, 8, generator=generator), torch.randn(GLOBAL_BATCH, 4, generator=generator))
-        for _ in range(STEPS)
-    ]
+# First-step gradients (one clipped SGD step read back), worst FQN, measured: 1.0e-7 (dp=2) and
+# 2.2e-7 (dp=4) relative. The bound, 1e-5 (the parameters' bound), is 45x that floor; a
+# gradient off by x2 (x4) errs by 1.0 (3.0), which AdamW's normalisation would mostly hide.
+GRAD_RTOL = 1e-5
+SGD_LR = 1e3  # one SGD step reads the applied gradient back: (before - after) / lr
 
 
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def reference_training() -> tuple[dict[str, torch.Tensor], list[float]]:
-    torch.set_num_threads(1)
-    model = build_mlp()
-    optimizer = make_optimizer(model)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
-    norms = []
-    for inputs, targets in batches():
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(inputs), targets).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        optimizer.step()
-        scheduler.step()
-    return {name: param.detach().clone() for name, param in model.named_parameters()}, norms
+def step_lr(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
 
 
-def parallel_training(zero_stage: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    dp_size, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_mesh(dp=dp_size)
-    model = build_mlp()
+def reference_training() -> ReferenceRun:
+    batches = mlp_batches(STEPS, GLOBAL_BATCH)
+    return train_reference(
+        build_tiny_mlp, batches, make_optimizer, loss_fn=mse_loss, max_norm=MAX_NORM, scheduler_fn=step_lr
+    )
+
+
+def data_parallel_mlp(dp_size: int, zero_stage: int) -> torch.nn.Module:
+    model = build_tiny_mlp()
     options = {} if zero_stage == 3 else {"bucket_size_mb": BUCKET_MB}
-    data_parallel(model, mesh, zero_stage=zero_stage, **options)
+    data_parallel(model, init_mesh(dp=dp_size), zero_stage=zero_stage, **options)
+    return model
+
+
+def sgd_first_step_gradients(zero_stage: int) -> dict[str, torch.Tensor]:
+    """One plain SGD step on this rank's slice of the first batch, clipped as the AdamW run is:
+    the (clipped) gradients it applied, by FQN."""
+    dp_size, rank = dist.get_world_size(), dist.get_rank()
+    model = data_parallel_mlp(dp_size, zero_stage)
+    optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=SGD_LR))
+    inputs, targets = mlp_batches(1, GLOBAL_BATCH)[0]
+    rows = GLOBAL_BATCH // dp_size
+    before = full_parameters(model)
+    local = slice(rank * rows, (rank + 1) * rows)
+    mse_loss(model, (inputs[local], targets[local])).backward()
+    clip_grad_norm_(optimizer, MAX_NORM)
+    optimizer.step()
+    return sgd_step_gradients(before, full_parameters(model), SGD_LR)
+
+
+def parallel_training(
+    zero_stage: int,
+) -> tuple[dict[str, torch.Tensor], list[float], dict[str, torch.Tensor]]:
+    dp_size, rank = dist.get_world_size(), dist.get_rank()
+    model = data_parallel_mlp(dp_size, zero_stage)
     optimizer = DistributedOptimizer(make_optimizer(model))
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    scheduler = step_lr(optimizer)
     rows = GLOBAL_BATCH // dp_size
     norms = []
-    for inputs, targets in batches():
+    for inputs, targets in mlp_batches(STEPS, GLOBAL_BATCH):
         optimizer.zero_grad()
         local = slice(rank * rows, (rank + 1) * rows)
         torch.nn.functional.mse_loss(model(inputs[local]), targets[local]).backward()
         norms.append(clip_grad_norm_(optimizer, MAX_NORM).item())
         optimizer.step()
         scheduler.step()
-    params = {}
-    for name, param in model.named_parameters():
-        full = param.full_tensor() if isinstance(param, torch.distributed.tensor.DTensor) else param
-        params[name] = full.detach().clone()
-    return params, norms
+    return full_parameters(model), norms, sgd_first_step_gradients(zero_stage)
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("dp_size", [2, 4])
 def test_adamw_with_clipping_matches_single_process(dp_size, zero_stage):
-    reference, reference_norms = reference_training()
-    assert max(reference_norms) > MAX_NORM
-    for params, norms in run_on_ranks(parallel_training, world_size=dp_size, args=(zero_stage,)):
-        for norm, reference_norm in zip(norms, reference_norms, strict=True):
+    reference = reference_training()
+    assert max(reference.grad_norms) > MAX_NORM
+    label = f"dp={dp_size} zero={zero_stage}"
+    for params, norms, gradients in run_on_ranks(parallel_training, world_size=dp_size, args=(zero_stage,)):
+        for norm, reference_norm in zip(norms, reference.grad_norms, strict=True):
             assert abs(norm - reference_norm) <= NORM_RTOL * reference_norm
-        for name, expected in reference.items():
-            max_abs = (params[name] - expected).abs().max().item()
-            relative = max_abs / expected.abs().max().item()
-            print(f"dp={dp_size} zero={zero_stage} {name}: max abs {max_abs:.2e}, relative {relative:.2e}")
-            assert relative <= PARAM_RTOL, (name, relative)
+        worst = assert_close_by_fqn(params, reference.parameters, PARAM_RTOL, f"{label} parameter")
+        worst_gradient = assert_close_by_fqn(
+            gradients, reference.gradients[0], GRAD_RTOL, f"{label} first-step gradient"
+        )
+        print(f"{label}: parameters {worst:.2e}, first-step gradients {worst_gradient:.2e}")
 
 
 def dropped_model_is_freed(zero_stage: int) -> bool:
@@ -124,11 +116,9 @@ def dropped_model_is_freed(zero_stage: int) -> bool:
     import gc
     import weakref
 
-    model = build_mlp()
-    options = {} if zero_stage == 3 else {"bucket_size_mb": BUCKET_MB}
-    data_parallel(model, init_mesh(dp=dist.get_world_size()), zero_stage=zero_stage, **options)
+    model = data_parallel_mlp(dist.get_world_size(), zero_stage)
     optimizer = DistributedOptimizer(make_optimizer(model))
-    inputs, targets = batches()[0]
+    inputs, targets = mlp_batches(1, GLOBAL_BATCH)[0]
     torch.nn.functional.mse_loss(model(inputs), targets).backward()
     optimizer.step()
     model_reference = weakref.ref(model)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from vescale.doptim import DataParallelConfigError, DistributedOptimizer, clip_grad_norm_, data_parallel
 from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
+from vescale.dtensor.testing.models.mlp import build_tiny_mlp, mlp_batches
 
 STEPS = 10
 MICRO_BATCH = 2
@@ -37,42 +38,10 @@ MAX_NORM = 0.05  # below the early gradient norms, so clipping really scales the
 PARAM_RTOL = 1e-5
 
 
-class TinyMLP(torch.nn.Module):
-    """Two blocks in a ModuleList (two FSDP2 units) and a head (the root unit)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(
-            [
-                torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh()),
-                torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.Tanh()),
-            ]
-        )
-        self.head = torch.nn.Linear(12, 4)
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            inputs = block(inputs)
-        return self.head(inputs)
-
-
-def build_mlp() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return TinyMLP()
-
-
 def micro_batches(dp_size: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    generator = torch.Generator().manual_seed(1)
-    return [
-        [
-            (
-                torch.randn(MICRO_BATCH, 8, generator=generator).bfloat16(),
-                torch.randn(MICRO_BATCH, 4, generator=generator).bfloat16(),
-            )
-            for _ in range(dp_size)
-        ]
-        for _ in range(STEPS)
-    ]
+    """Per step, one bf16 micro-batch per dp rank, in rank order."""
+    pieces = mlp_batches(STEPS * dp_size, MICRO_BATCH, dtype=torch.bfloat16)
+    return [pieces[step * dp_size : (step + 1) * dp_size] for step in range(STEPS)]
 
 
 def make_optimizer(params) -> torch.optim.Optimizer:
@@ -81,7 +50,7 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 
 def bf16_recipe(dp_size: int, clip: bool) -> dict[str, torch.Tensor]:
     torch.set_num_threads(1)
-    master = build_mlp()
+    master = build_tiny_mlp()
     compute = copy.deepcopy(master).to(torch.bfloat16)
     optimizer = make_optimizer(master.parameters())
     for step_batches in micro_batches(dp_size):
@@ -107,7 +76,7 @@ def bf16_recipe(dp_size: int, clip: bool) -> dict[str, torch.Tensor]:
 
 def zero3_bf16_training(deterministic: bool, clip: bool) -> dict:
     dp_size, rank = dist.get_world_size(), dist.get_rank()
-    model = build_mlp()
+    model = build_tiny_mlp()
     data_parallel(
         model, init_mesh(dp=dp_size), zero_stage=3, compute_dtype=torch.bfloat16, deterministic=deterministic
     )
@@ -159,9 +128,9 @@ def test_zero3_bf16_matches_the_single_process_bf16_recipe(dp_size):
 def compute_dtype_errors() -> list[str]:
     messages = []
     for call in (
-        lambda: data_parallel(build_mlp(), init_mesh(dp=2), zero_stage=1, compute_dtype=torch.bfloat16),
+        lambda: data_parallel(build_tiny_mlp(), init_mesh(dp=2), zero_stage=1, compute_dtype=torch.bfloat16),
         lambda: data_parallel(
-            build_mlp().to(torch.bfloat16), init_mesh(dp=2), zero_stage=3, compute_dtype=torch.bfloat16
+            build_tiny_mlp().to(torch.bfloat16), init_mesh(dp=2), zero_stage=3, compute_dtype=torch.bfloat16
         ),
     ):
         try:

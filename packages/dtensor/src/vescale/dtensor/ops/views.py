@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from vescale.dtensor import _compat
 
@@ -106,6 +106,21 @@ def _unflattened_parts(op_schema: Any) -> Any | None:
     return _compat.dtensor_strategy_type("op_strategy")([op_spec])
 
 
+def _gathered_first(op_schema: Any) -> Any | None:
+    """The view of the whole tensor, replicated, for a _StridedShard input no rule maps; else None."""
+    input_strategy = op_schema.args_schema[0]
+    if len(getattr(input_strategy, "strategies", ())) != 1:
+        return None
+    spec = input_strategy.strategies[0].output_spec
+    if not any(isinstance(placement, _STRIDED_SHARD) for placement in spec.placements):
+        return None
+    spec_type = _compat.dtensor_strategy_type("dtensor_spec")
+    replicate = tuple(Replicate() for _ in spec.placements)
+    gathered = spec_type(spec.mesh, replicate, tensor_meta=spec.tensor_meta)
+    op_spec = _compat.dtensor_strategy_type("op_spec")(spec_type(spec.mesh, replicate), (gathered,), [[1.0]])
+    return _compat.dtensor_strategy_type("op_strategy")([op_spec])
+
+
 def redistributing_on_unflatten(
     strict: Callable[[Any], Any], copying: Callable[[Any], Any]
 ) -> Callable[..., Any]:
@@ -125,6 +140,13 @@ def redistributing_on_unflatten(
                 return parts
         try:
             return strict(op_schema)
+        except KeyError:
+            # torch 2.13's strided-shard rewrite fails on a flatten that merges a
+            # _StridedShard dim into the dim before it (Llama-4 under SP: KeyError: 1)
+            replicated = _gathered_first(op_schema)
+            if replicated is None:
+                raise
+            return replicated
         except RuntimeError as error:
             if not any(message in str(error) for message in REDISTRIBUTING_VIEW_ERRORS):
                 raise

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -187,7 +187,13 @@ def _splits_one_head(at: Location, moved: Location, before: Sequence[int], after
     )
 
 
-class _Tracer(_compat.torch_dispatch_mode_class()):
+if TYPE_CHECKING:
+    from vescale.dtensor._compat import TorchDispatchMode as _DispatchModeBase
+else:
+    _DispatchModeBase = _compat.torch_dispatch_mode_class()
+
+
+class _Tracer(_DispatchModeBase):
     def __init__(self, parameters: dict[int, list[str]], modules: dict[str, nn.Module]) -> None:
         super().__init__()
         self.parameter_names = parameters
@@ -241,12 +247,19 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
         name = self._parameter_name(tensor)
         if name is not None:
             return _ParameterView(name, tuple(range(tensor.ndim)))
-        return self.views.get(tensor)
+        # torch leaves WeakTensorKeyDictionary.get unannotated.
+        view: _ParameterView | None = self.views.get(tensor)  # type: ignore[no-untyped-call]
+        return view
 
     def _flow(self, tensor: Any) -> _Flow:
-        return self.flows.get(tensor, _Flow()) if isinstance(tensor, torch.Tensor) else _Flow()
+        if not isinstance(tensor, torch.Tensor):
+            return _Flow()
+        flow: _Flow = self.flows.get(tensor, _Flow())  # type: ignore[no-untyped-call]  # as above
+        return flow
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         output = self._run(func, args, kwargs)
         # An op this trace cannot model (odd argument forms) carries no feature information forward.
@@ -254,7 +267,7 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
             self._record(func, args, kwargs, output)
         return output
 
-    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def _run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         meta = any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
         if meta and func is aten._grouped_mm.default:
             mat_a, mat_b = args[0], args[1]
@@ -268,7 +281,7 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
             return 0 if func is aten._local_scalar_dense.default else False
         return func(*args, **kwargs)
 
-    def _record(self, func: Any, args: tuple, kwargs: dict, output: Any) -> None:
+    def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         source = args[0] if args else None
         if func is aten.embedding.default:
             name = self._parameter_name(source) or ""
@@ -288,7 +301,7 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
         self._propagate(func, args, kwargs, output)
 
     def _record_parameter_view(
-        self, func: Any, args: tuple, view: _ParameterView, output: torch.Tensor
+        self, func: Any, args: tuple[Any, ...], view: _ParameterView, output: torch.Tensor
     ) -> None:
         dims = list(view.dims)
         if func in (aten.t.default, aten.transpose.int):
@@ -319,7 +332,7 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
             projection = self.trace.projections[view.name] = Projection(view.name, in_dim, out_dim)
         return projection
 
-    def _record_matmul(self, func: Any, args: tuple, output: torch.Tensor) -> None:
+    def _record_matmul(self, func: Any, args: tuple[Any, ...], output: torch.Tensor) -> None:
         if func is aten.addmm.default:
             bias, activation, weight = args[0], args[1], args[2]
         else:
@@ -352,7 +365,7 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
                     features[name] = at
         self.flows[output] = _Flow(features)
 
-    def _propagate(self, func: Any, args: tuple, kwargs: dict, output: Any) -> None:
+    def _propagate(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         tensors += [t for a in args if isinstance(a, list | tuple) for t in a if isinstance(t, torch.Tensor)]
         if func in _GATHERS:
@@ -388,7 +401,7 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
         elif outputs:
             self._record_elementwise_or_reduction(func, args, kwargs, tensors, flows, outputs)
 
-    def _mark_whole_feature_readers(self, func: Any, args: tuple, source: torch.Tensor) -> None:
+    def _mark_whole_feature_readers(self, func: Any, args: tuple[Any, ...], source: torch.Tensor) -> None:
         dim_argument = {aten.topk.default: 3}.get(func, 1)
         dim = args[dim_argument] if len(args) > dim_argument else -1
         dim = _norm_dim(dim if isinstance(dim, int) else -1, source.ndim)
@@ -399,7 +412,7 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
             projection.routing |= func in _ROUTING
             projection.log_softmax |= func in _LOG_SOFTMAX
 
-    def _record_slice(self, args: tuple, source: torch.Tensor) -> None:
+    def _record_slice(self, args: tuple[Any, ...], source: torch.Tensor) -> None:
         dim = _norm_dim(args[1] if len(args) > 1 else 0, source.ndim)
         size = source.shape[dim]
         start = args[2] if len(args) > 2 and args[2] is not None else 0
@@ -414,7 +427,13 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
                 )
 
     def _record_elementwise_or_reduction(
-        self, func: Any, args: tuple, kwargs: dict, tensors: list, flows: list[_Flow], outputs: list
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        tensors: list[Any],
+        flows: list[_Flow],
+        outputs: list[Any],
     ) -> None:
         reduced = self._reduced_dims(func, args, tensors[0])
         keepdim = self._keepdim(args, kwargs)
@@ -438,7 +457,7 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
         for out in outputs:
             self.flows[out] = _Flow(features, frozenset(normalises))
 
-    def _reduced_dims(self, func: Any, args: tuple, first: torch.Tensor) -> set[int] | None:
+    def _reduced_dims(self, func: Any, args: tuple[Any, ...], first: torch.Tensor) -> set[int] | None:
         if func._schema.name.removeprefix("aten::") not in _REDUCTIONS:
             return None
         dims = args[1] if len(args) > 1 and args[1] is not None else list(range(first.ndim))
@@ -446,10 +465,10 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
         return {_norm_dim(d, first.ndim) for d in dims} or set(range(first.ndim))
 
     @staticmethod
-    def _keepdim(args: tuple, kwargs: dict) -> bool:
+    def _keepdim(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         return bool(kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False))
 
-    def _record_split(self, args: tuple, source: torch.Tensor, outputs: list) -> None:
+    def _record_split(self, args: tuple[Any, ...], source: torch.Tensor, outputs: list[Any]) -> None:
         dim = _norm_dim(args[2] if len(args) > 2 else 0, source.ndim)
         flow = self._flow(source)
         for name, at in flow.features.items():
@@ -482,7 +501,9 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
                 projection.heads = 1
         self.flows[output] = _Flow(features, flow.normalises)
 
-    def _record_permute(self, func: Any, args: tuple, source: torch.Tensor, output: torch.Tensor) -> None:
+    def _record_permute(
+        self, func: Any, args: tuple[Any, ...], source: torch.Tensor, output: torch.Tensor
+    ) -> None:
         order = list(range(source.ndim))
         if func is aten.permute.default:
             order = [_norm_dim(d, source.ndim) for d in args[1]]
@@ -499,7 +520,7 @@ class _Tracer(_compat.torch_dispatch_mode_class()):
 
 
 def trace_dataflow(
-    model: nn.Module, example_args: tuple = (), example_kwargs: dict | None = None
+    model: nn.Module, example_args: tuple[Any, ...] = (), example_kwargs: dict[str, Any] | None = None
 ) -> DataflowTrace:
     """Run ``model(*example_args, **example_kwargs)`` once under the tracer (no gradients).
 
@@ -517,13 +538,13 @@ def trace_dataflow(
     trace.tied = [tuple(names) for names in parameters.values() if len(names) > 1]
 
     def enter(fqn: str) -> Any:
-        def hook(module: nn.Module, args: tuple) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             tracer.module_stack.append(fqn)
 
         return hook
 
     def leave(fqn: str) -> Any:
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if tracer.module_stack and tracer.module_stack[-1] == fqn:
                 tracer.module_stack.pop()
             if isinstance(output, torch.Tensor):

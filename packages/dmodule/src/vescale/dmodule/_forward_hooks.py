@@ -57,7 +57,7 @@ def convert_to_placements(value: Any, mesh: DeviceMesh, placements: TensorPlacem
                 "parallelize the producing module on the same mesh"
             )
         if any(placement.is_partial() for placement in value.placements):
-            return _ReducePartial.apply(value, mesh, tuple(target))
+            return _ReducePartial.apply(value, mesh, tuple(target))  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         # Even when the placements already agree: the redistribution's backward returns the
         # gradient in these placements (Megatron's "identity forward, all-reduce backward").
         return value.redistribute(mesh, target)
@@ -85,7 +85,7 @@ class _ReducePartial(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, value: DTensor, mesh: DeviceMesh, target: tuple) -> DTensor:
+    def forward(ctx: Any, value: DTensor, mesh: DeviceMesh, target: tuple[Any, ...]) -> DTensor:
         ctx.mesh = mesh
         ctx.gradient_placements = tuple(
             Replicate() if placement.is_partial() else placement for placement in value.placements
@@ -124,7 +124,7 @@ class InputConversionCache:
             # own instead of their sum once (more collectives, the same sum).
             return convert_to_placements(value, mesh, placements, where)
         key = (mesh, tuple(to_torch_placements(placements)))
-        by_target = self._entries.setdefault(value, {})
+        by_target = self._entries.setdefault(value, {})  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         version, converted = by_target.get(key, (None, None))
         if converted is None or version != value._version:
             converted = convert_to_placements(value, mesh, placements, where)
@@ -155,14 +155,16 @@ def _convert_inputs(
     mesh: DeviceMesh,
     spec: ForwardPlacements,
     fqn: str,
-    args: tuple,
-    kwargs: dict,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     cache: InputConversionCache,
-) -> tuple[tuple, dict]:
-    args = list(args)
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    arg_list = list(args)
     for index, placements in enumerate(spec.args):
-        if placements is not None and index < len(args):
-            args[index] = cache.convert(args[index], mesh, placements, f"{fqn or '<root>'} input {index}")
+        if placements is not None and index < len(arg_list):
+            arg_list[index] = cache.convert(
+                arg_list[index], mesh, placements, f"{fqn or '<root>'} input {index}"
+            )
     for name, placements in spec.kwargs:
         if placements is None:
             continue
@@ -170,10 +172,10 @@ def _convert_inputs(
         if name in kwargs:
             kwargs[name] = cache.convert(kwargs[name], mesh, placements, where)
             continue
-        index = _positional_index(module, name)
-        if index is not None and index < len(args):
-            args[index] = cache.convert(args[index], mesh, placements, where)
-    return tuple(args), kwargs
+        position = _positional_index(module, name)
+        if position is not None and position < len(arg_list):
+            arg_list[position] = cache.convert(arg_list[position], mesh, placements, where)
+    return tuple(arg_list), kwargs
 
 
 def _convert_outputs(output: Any, mesh: DeviceMesh, spec: ForwardPlacements, fqn: str) -> Any:
@@ -226,13 +228,15 @@ def register_forward_placement_hooks(
     handles = []
     if inputs is not None:
 
-        def convert_inputs(hooked: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def convert_inputs(
+            hooked: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
             return _convert_inputs(hooked, mesh, inputs, fqn, args, kwargs, cache)
 
         handles.append(module.register_forward_pre_hook(convert_inputs, with_kwargs=True))
     if outputs is not None:
 
-        def convert_outputs(hooked: nn.Module, args: tuple, output: Any) -> Any:
+        def convert_outputs(hooked: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             return _convert_outputs(output, mesh, outputs, fqn)
 
         handles.append(module.register_forward_hook(convert_outputs))

@@ -21,9 +21,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from vescale.dmodule._attention_heads import HeadLayout, apply_head_layouts
 from vescale.dmodule._plan_fqns import compiled_pattern, no_match_message
@@ -78,7 +79,7 @@ def _on_full_mesh(
     if len(placements) == len(mesh_shape):
         return placements
     if len(placements) == 1:
-        full = [Replicate()] * len(mesh_shape)
+        full: list[Placement | InterleavedShard] = [Replicate()] * len(mesh_shape)
         full[mesh_dim] = placements[0]
         return tuple(full)
     raise ShardingPlanError(
@@ -99,7 +100,9 @@ def _forward_on_full_mesh(
     )
 
 
-def _check_possible(fqn: str, shape: Sequence[int], placements: TensorPlacements, mesh_shape: tuple) -> None:
+def _check_possible(
+    fqn: str, shape: Sequence[int], placements: TensorPlacements, mesh_shape: tuple[Any, ...]
+) -> None:
     for mesh_dim, placement in enumerate(placements):
         if not isinstance(placement, Shard | InterleavedShard):
             continue
@@ -183,15 +186,15 @@ def resolve_plan(
 
     module_fqns = [fqn for fqn, _ in module.named_modules(remove_duplicate=False)]
     by_suffix: dict[str, dict[str, tuple[ForwardPlacements, str]]] = {"input": {}, "output": {}}
-    for pattern, suffix, placements in forward:
+    for pattern, suffix, forward_placements in forward:
         regex = compiled_pattern(pattern)
         matched = [fqn for fqn in module_fqns if regex.fullmatch(fqn)]
         key = f"{pattern}.{suffix}" if pattern else suffix
         if not matched:
             raise ShardingPlanError(no_match_message("forward", key, pattern, "module", module_fqns))
-        full = _forward_on_full_mesh(placements, mesh_shape, mesh_dim, f"forward['{key}']")
+        forward_full = _forward_on_full_mesh(forward_placements, mesh_shape, mesh_dim, f"forward['{key}']")
         for fqn in matched:
-            by_suffix[suffix][fqn] = (full, pattern)
+            by_suffix[suffix][fqn] = (forward_full, pattern)
     return ResolvedShardingPlan(
         parameters=resolved_parameters, inputs=by_suffix["input"], outputs=by_suffix["output"]
     )

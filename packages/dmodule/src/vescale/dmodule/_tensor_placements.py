@@ -112,7 +112,7 @@ class ForwardPlacements:
             f'{value!r}; write e.g. ["R"] or {{"hidden_states": "S(1)"}}'
         )
 
-    def to_json(self) -> list | dict:
+    def to_json(self) -> list[Any] | dict[str, Any]:
         """The JSON form: a list when only positions are given, else a dict by name."""
         if self.kwargs and not self.args:
             return {name: None if p is None else tensor_placements_to_json(p) for name, p in self.kwargs}

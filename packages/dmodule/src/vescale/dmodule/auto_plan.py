@@ -32,7 +32,9 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,7 +77,7 @@ class AutoShardingResult:
             )
 
 
-def _compact(entries: dict[str, object]) -> dict[str, object]:
+def _compact(entries: Mapping[str, object]) -> dict[str, object]:
     """``{fqn: value}`` as ``{pattern: value}``, one pattern for every layer where the value agrees."""
     by_pattern: dict[str, dict[str, object]] = {}
     for fqn, value in entries.items():
@@ -95,7 +97,7 @@ def _module_of(parameter_fqn: str) -> str:
     return parameter_fqn.rpartition(".")[0]
 
 
-def _default_example(model: nn.Module) -> tuple[tuple, dict]:
+def _default_example(model: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]]:
     parameter = next(model.parameters(), None)
     device = parameter.device if parameter is not None else torch.device("cpu")
     # Distinct batch and sequence sizes, so that no dim is mistaken for the other.
@@ -160,8 +162,8 @@ def _decide(trace: DataflowTrace) -> _Decisions:
     projections = trace.projections
     consumed_by: dict[str, list[str]] = {}
     for name, projection in projections.items():
-        for producer in sorted(projection.consumes):
-            consumed_by.setdefault(producer, []).append(name)
+        for producer_name in sorted(projection.consumes):
+            consumed_by.setdefault(producer_name, []).append(name)
     for name, projection in projections.items():
         producers = [projections[p] for p in sorted(projection.consumes) if p in projections]
         if not producers:
@@ -238,8 +240,8 @@ def plan_tensor_parallel(
     model: nn.Module,
     *,
     sequence_parallel: bool = False,
-    example_args: tuple | None = None,
-    example_kwargs: dict | None = None,
+    example_args: tuple[Any, ...] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
 ) -> AutoShardingResult:
     """The automatic plan of ``model`` with the reasons behind it (see the module docstring).
 
@@ -306,16 +308,16 @@ def _head_layouts(trace: DataflowTrace, decided: _Decisions) -> dict[str, list[i
     layouts: dict[str, list[int]] = {}
     for row in decided.rows:
         producers = [trace.projections[name] for name in sorted(trace.projections[row].consumes)]
-        producers = [p for p in producers if p.heads and p.weight in decided.columns]
-        if not producers:
+        headed = [(p, p.heads) for p in producers if p.heads and p.weight in decided.columns]
+        if not headed:
             continue
-        query_heads = max(producer.heads for producer in producers)
+        query_heads = max(heads for _, heads in headed)
         if query_heads == 1:
             continue  # one head in every projection: no attention's query heads to keep whole
-        for producer in producers:
+        for producer, heads in headed:
             for name in (producer.weight, producer.bias):
                 if name is not None and name in decided.placements:
-                    layouts[name] = [producer.heads, query_heads]
+                    layouts[name] = [heads, query_heads]
     return layouts
 
 
@@ -356,7 +358,7 @@ def _column_module_inputs(model: nn.Module, module_fqn: str) -> list[str]:
 
 
 def _compact_forward(forward: dict[str, object]) -> dict[str, object]:
-    by_module = {key.rpartition(".")[0]: {} for key in forward}
+    by_module: dict[str, dict[str, object]] = {key.rpartition(".")[0]: {} for key in forward}
     for key, value in forward.items():
         module, _, suffix = key.rpartition(".")
         by_module[module][suffix] = value

@@ -85,7 +85,9 @@ def name_failing_modules(module: nn.Module) -> list[RemovableHandle]:
     handles = []
     for fqn, submodule in module.named_modules():
 
-        def note_failure(hooked: nn.Module, args: tuple, kwargs: dict, output: Any, fqn: str = fqn) -> None:
+        def note_failure(
+            hooked: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, fqn: str = fqn
+        ) -> None:
             # On the exception path torch calls always_call hooks with no output.
             error = sys.exc_info()[1] if output is None else None
             if error is None or not hasattr(error, "add_note"):

@@ -151,7 +151,7 @@ def parallelize_module(
         replicate_everywhere = (Replicate(),) * device_mesh.ndim
         parameter_fqns = {fqn for fqn, _ in module.named_parameters(remove_duplicate=False)}
 
-        def placements_for(fqn: str) -> tuple[DeviceMesh, tuple] | None:
+        def placements_for(fqn: str) -> tuple[DeviceMesh, tuple[Any, ...]] | None:
             if fqn not in parameter_fqns:
                 return None  # buffers stay plain tensors, identical on every rank
             sharding = resolved.parameters.get(fqn)

@@ -17,6 +17,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -39,10 +41,10 @@ SEQ_LEN = 8
 VOCAB = 64
 
 
-def _config(name: str):
+def _config(name: str) -> Any:
     import transformers
 
-    sizes = dict(
+    sizes: dict[str, Any] = dict(
         vocab_size=VOCAB,
         hidden_size=32,
         num_hidden_layers=2,
@@ -56,7 +58,12 @@ def _config(name: str):
         return transformers.MixtralConfig(num_local_experts=8, intermediate_size=32, **sizes)
     if name == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
-            num_experts=8, moe_intermediate_size=16, intermediate_size=32, head_dim=8, **sizes
+            num_experts=8,
+            moe_intermediate_size=16,
+            intermediate_size=32,
+            # Taken by PretrainedConfig's keyword arguments, which the config's annotations omit.
+            head_dim=8,  # type: ignore[call-arg]
+            **sizes,
         )
     if name == "olmoe":
         return transformers.OlmoeConfig(num_experts=8, intermediate_size=32, **sizes)
@@ -73,7 +80,7 @@ def _config(name: str):
             qk_rope_head_dim=4,
             qk_nope_head_dim=4,
             v_head_dim=8,
-            head_dim=4,
+            head_dim=4,  # type: ignore[call-arg]  # as above
             **sizes,
         )
     raise ValueError(f"unknown tiny MoE model {name!r}; choose one of {MOE_MODELS}")
@@ -92,7 +99,8 @@ def tiny_moe(name: str, seed: int = 0, **overrides: object) -> nn.Module:
     for field_name, value in overrides.items():
         setattr(config, field_name, value)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    # transformers leaves from_config unannotated.
+    model: nn.Module = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     model.train()
     return model
 

@@ -16,6 +16,7 @@ from vescale.dpipe.plan import PipelinePlan
 from vescale.planner._meta_forward import meta_parameters
 from vescale.planner._plan_reasons import explain_choices
 from vescale.planner.constraints import Constraints
+from vescale.planner.errors import PlanError
 from vescale.planner.memory import MemoryEstimate, ParallelChoices
 from vescale.planner.performance import Performance
 from vescale.planner.plan import Plan
@@ -52,6 +53,11 @@ def assemble_plan(
         if sp:
             with meta_parameters(model):
                 sharding_plan = plan_tensor_parallel(model, sequence_parallel=True).plan
+        elif auto is None:
+            raise PlanError(
+                f"tensor_parallel_size={tp} needs the automatic sharding analysis of the model; "
+                "pass the AutoShardingResult of plan_tensor_parallel(model)"
+            )
         else:
             sharding_plan = auto.plan
     pipeline = None
@@ -70,7 +76,7 @@ def assemble_plan(
     for choice, reason in explain_choices(constraints, choices, estimate, budget, per_node).items():
         reasons.setdefault(choice, reason)
     return Plan(
-        mesh={"pp": pp, "dp": choices.data_parallel_size, "tp": tp},
+        mesh=(("pp", pp), ("dp", choices.data_parallel_size), ("tp", tp)),
         data_parallel=DataParallelPlan(
             size=choices.data_parallel_size,
             zero_stage=choices.zero_stage,

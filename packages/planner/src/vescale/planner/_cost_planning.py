@@ -61,7 +61,8 @@ def _why_lost(best: Candidate, other: Candidate) -> str:
 
 
 def _runners_up(ranked: list[Candidate], top_k: int) -> tuple[RunnerUp, ...]:
-    seen, result = {ranked[0].describe()}, []
+    seen = {ranked[0].describe()}
+    result: list[RunnerUp] = []
     for candidate in ranked[1:]:
         if len(result) >= top_k:
             break

@@ -53,17 +53,19 @@ class MetaValuePolicy(TorchDispatchMode):
     """
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self.known: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.guessed_shapes = 0  # nonzero answers: the shapes after them are a guess
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         meta = any(isinstance(arg, torch.Tensor) and arg.is_meta for arg in args)
         if not meta:
             return func(*args, **kwargs)
         if func in _SCALAR_READS:
-            value = self.known.get(args[0], 0)
+            value = self.known.get(args[0], 0)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
             return bool(value) if func is _aten.is_nonzero.default else value
         if func is _aten.nonzero.default:
             self.guessed_shapes += 1
@@ -100,7 +102,9 @@ def meta_parameters(model: nn.Module) -> Iterator[nn.Module]:
     try:
         for module in model.modules():
             # Assigning to a registered name replaces that parameter or buffer (nn.Module.__setattr__).
-            own = [(name, True, p) for name, p in module.named_parameters(recurse=False)]
+            own: list[tuple[str, bool, torch.Tensor]] = [
+                (name, True, p) for name, p in module.named_parameters(recurse=False)
+            ]
             own += [(name, False, b) for name, b in module.named_buffers(recurse=False)]
             for name, is_parameter, tensor in own:
                 originals.append((module, name, tensor))

@@ -38,7 +38,7 @@ def _section(name: str, parse: Callable[[Any], Section], value: Any) -> Section:
         raise PlanFormatError(f"plan field {name}: {error}") from None
 
 
-def _mapping(plan_dict: Any, name: str, keys: Sequence[str], required: Sequence[str] = ()) -> dict:
+def _mapping(plan_dict: Any, name: str, keys: Sequence[str], required: Sequence[str] = ()) -> dict[str, Any]:
     if not isinstance(plan_dict, dict):
         raise PlanFormatError(f"plan field {name} must be a JSON object with the keys {list(keys)}")
     for key in plan_dict:

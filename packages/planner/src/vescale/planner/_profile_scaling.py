@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from vescale.planner.profile import ModelProfile
+from vescale.planner.profile import ModelProfile, _SavedRecord
 
 __all__ = ["scaled_profile"]
 
@@ -29,7 +29,7 @@ def scaled_profile(profile: ModelProfile, micro_batch_size: int) -> ModelProfile
         return profile
     factor = micro_batch_size / profile.micro_batch_size
 
-    def records(saved):
+    def records(saved: tuple[_SavedRecord, ...]) -> tuple[_SavedRecord, ...]:
         return tuple(dataclasses.replace(r, nbytes=int(r.nbytes * factor)) for r in saved)
 
     costs = tuple(

@@ -15,10 +15,13 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -43,7 +46,7 @@ def _matmul_fit(dtype: torch.dtype) -> tuple[float, float]:
     points = []
     for side, repeats in ((_SMALL, 200), (_LARGE, 6)):
         a, b = torch.randn(side, side, dtype=dtype), torch.randn(side, side, dtype=dtype)
-        points.append((2.0 * side**3, _seconds(lambda a=a, b=b: a @ b, repeats)))
+        points.append((2.0 * side**3, _seconds(functools.partial(operator.matmul, a, b), repeats)))
     (small_flops, small_s), (large_flops, large_s) = points
     peak = (large_flops - small_flops) / max(large_s - small_s, 1e-9)
     return peak, max(small_s - small_flops / peak, 1e-7)
@@ -57,11 +60,18 @@ def _all_reduce_seconds(numel: int, repeats: int) -> float:
 def _dtensor_op_seconds(leaf: torch.Tensor) -> float:
     """The same op on a DTensor over all ranks (what tensor parallelism adds to every op)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    shared = distribute_tensor(leaf.detach(), mesh, [Replicate()]).requires_grad_()
-    return _seconds(lambda: shared.mul(2.0).to_local().sum().backward(), 200) / 4
+    shared = distribute_tensor(leaf.detach(), mesh, [Replicate()])
+    shared.requires_grad_()
+
+    def step() -> None:
+        # An op on a DTensor returns a DTensor; torch's stubs type it as Tensor.
+        product = cast(DTensor, shared.mul(2.0))
+        product.to_local().sum().backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+
+    return _seconds(step, 200) / 4
 
 
 def _measure_on_rank() -> dict[str, float]:
@@ -72,7 +82,8 @@ def _measure_on_rank() -> dict[str, float]:
     figures["memory_bandwidth"] = 2 * source.nbytes / _seconds(lambda: target.copy_(source), 10)
     # One eager op as training runs it: autograd records it and backward runs its gradient.
     leaf = torch.ones(4, requires_grad=True)
-    figures["op_overhead_s"] = _seconds(lambda: leaf.mul(2.0).sum().backward(), 500) / 4
+    # torch leaves Tensor.backward unannotated.
+    figures["op_overhead_s"] = _seconds(lambda: leaf.mul(2.0).sum().backward(), 500) / 4  # type: ignore[no-untyped-call]
     figures["dtensor_op_overhead_s"] = _dtensor_op_seconds(leaf)
     world = dist.get_world_size()
     if world > 1:

@@ -38,7 +38,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from vescale.planner._collectives import all_gather_seconds, all_reduce_seconds, axis_link, p2p_seconds
+from vescale.planner._collectives import (
+    AxisLink,
+    all_gather_seconds,
+    all_reduce_seconds,
+    axis_link,
+    p2p_seconds,
+)
+from vescale.planner.errors import PlanError
 from vescale.planner.hardware import HardwareProfile
 from vescale.planner.memory import ParallelChoices, _column_input, _tp_sharded
 from vescale.planner.op_costs import OpCost
@@ -99,6 +106,10 @@ def _op_seconds(
             divisor = tp if (not whole or choices.sequence_parallel) else 1
         return max(traffic / divisor / bandwidth, overhead), 0.0
     peak = hardware.peak_flops(choices.mixed_precision)
+    m: float
+    smallest: float
+    n: float
+    k: float
     m, n, k = op.dims
     flops = op.flops * scale
     reduce_bytes = 0.0
@@ -119,7 +130,9 @@ def _op_seconds(
     return max(seconds + hardware.matmul_overhead_us * 1e-6, overhead), reduce_bytes
 
 
-def op_parts(profile: ModelProfile, choices: ParallelChoices, hardware: HardwareProfile) -> dict:
+def op_parts(
+    profile: ModelProfile, choices: ParallelChoices, hardware: HardwareProfile
+) -> dict[int | str, _Part]:
     """Block index (or ``"first"``/``"last"`` for the outside sides) -> its per-micro-batch times.
 
     Depends only on ``tp``, sequence parallelism, mixed precision, the sharding plan and the
@@ -133,7 +146,7 @@ def op_parts(profile: ModelProfile, choices: ParallelChoices, hardware: Hardware
             shortest[op.block] = op.module_fqn
     block_fqns = frozenset(shortest.values())
     tp_link = axis_link(hardware, choices.tensor_parallel_size, 1)
-    parts: dict = {}
+    parts: dict[int | str, _Part] = {}
     for op in profile.op_costs:
         key = op.block if op.block is not None else op.side
         part = parts.setdefault(key, _Part())
@@ -142,10 +155,15 @@ def op_parts(profile: ModelProfile, choices: ParallelChoices, hardware: Hardware
         part.backward += _BACKWARD[op.kind] * seconds
         part.memory_forward += seconds if op.kind == "memory" else 0.0
         part.tp_forward += all_reduce_seconds(tp_link, reduce_bytes)
-    tp = choices.tensor_parallel_size
+    tp, plan = choices.tensor_parallel_size, choices.sharding_plan
     for record in profile.parameters:
         key = record.block if record.block is not None else record.side
-        local = record.numel / (tp if tp > 1 and _tp_sharded(choices.sharding_plan, record.fqn) else 1)
+        if tp > 1 and plan is None:
+            raise PlanError(
+                f"tensor_parallel_size={tp} but the choices carry no sharding_plan to cost parameter "
+                f"{record.fqn!r} with; give ParallelChoices the tensor-parallel plan"
+            )
+        local = record.numel / (tp if plan is not None and tp > 1 and _tp_sharded(plan, record.fqn) else 1)
         parts.setdefault(key, _Part()).parameter_elements += local
         parts[key].parameter_tensors += 1
     return parts
@@ -165,7 +183,10 @@ def model_flops_per_step(profile: ModelProfile, global_batch_size: int) -> float
 
 
 def balanced_split(
-    profile: ModelProfile, choices: ParallelChoices, hardware: HardwareProfile, parts: dict | None = None
+    profile: ModelProfile,
+    choices: ParallelChoices,
+    hardware: HardwareProfile,
+    parts: dict[int | str, _Part] | None = None,
 ) -> tuple[int, ...]:
     """The first block of each pipeline stage after the first, minimising the slowest stage's
     forward + backward time over contiguous block ranges (the embedding side counts on the first
@@ -237,7 +258,7 @@ def predict_step(
     virtual_stages: int = 1,
     devices_per_node: int | None = None,
     stage_split: tuple[int, ...] | None = None,
-    parts: dict | None = None,
+    parts: dict[int | str, _Part] | None = None,
 ) -> StepCost:
     """The step time of ``choices`` (module docstring); ``stage_split`` gives the first block of each
     pipeline stage after the first (default: ``ceil(blocks / pp)`` per stage).
@@ -311,6 +332,8 @@ def predict_step(
         total = sum(parts_of_stage.values())
         if worst is None or total > worst[0]:
             worst = (total, parts_of_stage)
+    if worst is None:
+        raise PlanError(f"pipeline_parallel_size={pp} gives no stage to cost; use a size of at least 1")
     total, breakdown = worst
     global_batch = microbatches * dp * choices.micro_batch_size
     return StepCost(total, tuple(breakdown.items()), model_flops_per_step(profile, global_batch))
@@ -328,7 +351,7 @@ def _bubble_slots(schedule: str, pp: int, virtual_stages: int) -> float:
 
 def _data_parallel_seconds(
     choices: ParallelChoices,
-    link,
+    link: AxisLink,
     elements: float,
     grad_bytes: float,
     block_members: list[_Part],

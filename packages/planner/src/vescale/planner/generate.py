@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,7 @@ from vescale.planner.errors import ConstraintError, PlanError
 from vescale.planner.hardware import HardwareProfile, load_hardware
 from vescale.planner.memory import MemoryEstimate, ParallelChoices, estimate_from_profile
 from vescale.planner.plan import Plan
-from vescale.planner.profile import profile_model
+from vescale.planner.profile import ModelProfile, profile_model
 
 __all__ = ["default_memory_per_device_gb", "generate_plan"]
 
@@ -83,7 +84,7 @@ def _default_sequence_length(model: nn.Module) -> tuple[int, str]:
 
 def generate_plan(
     model: nn.Module,
-    constraints: dict | Constraints | None = None,
+    constraints: dict[str, Any] | Constraints | None = None,
     *,
     world_size: int | None = None,
     hardware: str | HardwareProfile | None = None,
@@ -190,7 +191,7 @@ def _rule_based_choice(
     budget: float,
     sequence_length: int,
     auto: AutoShardingResult | None,
-    profiles: dict,
+    profiles: dict[int, ModelProfile],
 ) -> tuple[ParallelChoices, MemoryEstimate]:
     """Megatron's rules: the first candidate in the rule order whose estimate fits the budget."""
     sizes = parallel_sizes(

@@ -170,7 +170,9 @@ class HardwareProfile:
         return cls(**profile_dict)
 
 
-def _nvidia(name: str, bf16: float, fp32: float, tf32: float, memory_gb: float, hbm: float, **links: Any):
+def _nvidia(
+    name: str, bf16: float, fp32: float, tf32: float, memory_gb: float, hbm: float, **links: Any
+) -> HardwareProfile:
     return HardwareProfile(
         name=name,
         peak_tflops=(("bf16", bf16), ("fp16", bf16), ("fp32", fp32), ("tf32", tf32), ("fp8", 2 * bf16))

@@ -215,7 +215,15 @@ def _stage_sizes(profile: ModelProfile, choices: ParallelChoices, side: str) -> 
         on_stage = on_stage or (record.block is None and side in ("all", record.side))
         if not on_stage:
             continue
-        local = record.numel / (tp if tp > 1 and _tp_sharded(choices.sharding_plan, record.fqn) else 1)
+        if tp > 1 and choices.sharding_plan is None:
+            raise PlanError(
+                f"tensor_parallel_size={tp} but the choices carry no sharding_plan to place parameter "
+                f"{record.fqn!r} with; give ParallelChoices the tensor-parallel plan"
+            )
+        sharded = (
+            choices.sharding_plan is not None and tp > 1 and _tp_sharded(choices.sharding_plan, record.fqn)
+        )
+        local = record.numel / (tp if sharded else 1)
         elements += local
         largest = max(largest, local)
         if record.block is None:
@@ -226,15 +234,15 @@ def _stage_sizes(profile: ModelProfile, choices: ParallelChoices, side: str) -> 
     divisors = _activation_divisors(profile, choices)
     per_block: dict[int, float] = {}
     outside = first_side = largest_output = 0.0
-    for record in profile.saved:
-        scale = 0.5 if bf16 and record.is_float else 1.0
-        nbytes = record.nbytes * scale / (divisors[record.module_fqn] if record.is_float else 1)
-        if record.block in stage_blocks:
-            per_block[record.block] = per_block.get(record.block, 0.0) + nbytes
-        elif record.block is None and side in ("all", record.side):
+    for saved in profile.saved:
+        scale = 0.5 if bf16 and saved.is_float else 1.0
+        nbytes = saved.nbytes * scale / (divisors[saved.module_fqn] if saved.is_float else 1)
+        if saved.block is not None and saved.block in stage_blocks:
+            per_block[saved.block] = per_block.get(saved.block, 0.0) + nbytes
+        elif saved.block is None and side in ("all", saved.side):
             outside += nbytes
-            first_side += nbytes if record.side == "first" else 0.0
-            if record.side == "last" and record.is_float:
+            first_side += nbytes if saved.side == "first" else 0.0
+            if saved.side == "last" and saved.is_float:
                 largest_output = max(largest_output, nbytes)
     largest_block = max(per_block.values(), default=0.0)
     recompute, last = 0.0, first_side + largest_block
@@ -307,6 +315,10 @@ def estimate_from_profile(profile: ModelProfile, choices: ParallelChoices) -> Me
         estimate = MemoryEstimate(*(int(part) for part in max(moments.values(), key=sum)))
         if best is None or estimate.total > best.total:
             best = estimate
+    if best is None:
+        raise PlanError(
+            f"no pipeline stage to estimate the memory of for {choices}; use a size of at least 1"
+        )
     return best
 
 

@@ -70,10 +70,12 @@ class OpCostRecorder(TorchDispatchMode):
     ops inside attention (``inside()`` true) are left to the attention's own record."""
 
     def __init__(self, record: Callable[..., None], inside: Callable[[], bool]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self.record, self.inside = record, inside
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
         if self.inside():
@@ -91,7 +93,7 @@ class OpCostRecorder(TorchDispatchMode):
         self.record("memory", 0.0, (0, 0, 0), float(traffic), 0.0)
         return output
 
-    def _matmul(self, func: Any, args: tuple, output: torch.Tensor) -> None:
+    def _matmul(self, func: Any, args: tuple[Any, ...], output: torch.Tensor) -> None:
         if func in (_aten.addmm.default, _aten.baddbmm.default):
             first, second = args[1], args[2]
         else:

@@ -92,7 +92,9 @@ def find_repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
     return best
 
 
-def _example_inputs(model: nn.Module, batch: int, sequence_length: int) -> tuple[tuple, dict]:
+def _example_inputs(
+    model: nn.Module, batch: int, sequence_length: int
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     input_ids = torch.zeros(batch, sequence_length, dtype=torch.long, device="meta")
     names = list(inspect.signature(model.forward).parameters)
     if "input_ids" in names:
@@ -121,7 +123,9 @@ class _FusedAttentionSaves(TorchFunctionMode):
         self.save, self.record_extra, self.keep, self.inside = save, record_extra, keep, False
         self.cost = cost
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention or self.inside:
             return func(*args, **kwargs)
@@ -150,10 +154,12 @@ class _KeptOutputs(TorchDispatchMode):
     whose math path on meta stands for one fused kernel: :class:`_FusedAttentionSaves` keeps it)."""
 
     def __init__(self, keep: Callable[[torch.Tensor], None], attention: _FusedAttentionSaves) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self.keep, self.attention = keep, attention
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         output = func(*args, **(kwargs or {}))
         if func in KEPT_COMPUTE_OPS and not self.attention.inside:
             for tensor in _tensors_in(output):
@@ -200,14 +206,14 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
         head = ".".join(fqn.split(".")[: len(blocks_fqn.split(".")) + 1]) if blocks_fqn else ""
         return block_of.get(head)
 
-    def record(key: Any, nbytes: int, is_float: bool, into: dict) -> None:
+    def record(key: Any, nbytes: int, is_float: bool, into: dict[int, tuple[Any, _SavedRecord]]) -> None:
         module_fqn = stack[-1] if stack else ""
         block = block_index(module_fqn)
         side = "last" if block is None and seen_block[1] else "first"
         # The key is kept referenced so that its id is not reused by a later tensor.
         into[id(key)] = (key, _SavedRecord(module_fqn, nbytes, is_float, block, side))
 
-    def save(tensor: torch.Tensor, into: dict = saved) -> None:
+    def save(tensor: torch.Tensor, into: dict[int, tuple[Any, _SavedRecord]] = saved) -> None:
         storage = tensor.untyped_storage()
         if id(storage) not in parameter_storages and id(storage) not in into:
             record(storage, storage.nbytes(), tensor.is_floating_point(), into)
@@ -225,7 +231,7 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
         for into in (saved, kept):
             record(key, nbytes, True, into)
 
-    def cost(kind: str, flops: float, dims: tuple, traffic: float, output_bytes: float) -> None:
+    def cost(kind: str, flops: float, dims: tuple[Any, ...], traffic: float, output_bytes: float) -> None:
         module_fqn = stack[-1] if stack else ""
         block = block_index(module_fqn)
         side = "last" if block is None and seen_block[1] else "first"
@@ -234,8 +240,8 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
     attention = _FusedAttentionSaves(save, keep_log_sum_exp, keep, cost)
     recorder = OpCostRecorder(cost, lambda: attention.inside)
 
-    def enter(fqn: str):
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def enter(fqn: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             stack.append(fqn)
             if fqn in block_of:
                 seen_block[0] = True
@@ -244,8 +250,8 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
 
         return hook
 
-    def leave(fqn: str):
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def leave(fqn: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             stack.pop()
             seen_block[1] = seen_block[1] or fqn in block_of
 

@@ -25,13 +25,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from vescale.dmodule.sharding_plan import ShardingPlan
 from vescale.planner._parallel_sizes import divisors, parallel_sizes
 from vescale.planner._profile_scaling import scaled_profile
 from vescale.planner.constraints import Constraints
 from vescale.planner.cost import StepCost, balanced_split, op_parts, predict_step
-from vescale.planner.errors import ConstraintError
+from vescale.planner.errors import ConstraintError, PlanError
 from vescale.planner.hardware import HardwareProfile
 from vescale.planner.memory import MemoryEstimate, ParallelChoices, stage_sizes
 from vescale.planner.peak import peak_moments
@@ -68,7 +69,10 @@ class Candidate:
         return text
 
 
-def _axis(value, default: list) -> list:
+_T = TypeVar("_T")
+
+
+def _axis(value: _T | None, default: list[_T]) -> list[_T]:
     return [value] if value is not None else default
 
 
@@ -120,7 +124,7 @@ class _MemoryCache:
     """Stage sizes per memory-relevant key, with ZeRO's division of the optimizer state applied after."""
 
     def __init__(self) -> None:
-        self.sizes: dict[tuple, list] = {}
+        self.sizes: dict[tuple[Any, ...], list[Any]] = {}
 
     def estimate(self, profile: ModelProfile, choices: ParallelChoices) -> MemoryEstimate:
         key = (
@@ -145,6 +149,10 @@ class _MemoryCache:
             estimate = MemoryEstimate(*(int(part) for part in max(moments.values(), key=sum)))
             if best is None or estimate.total > best.total:
                 best = estimate
+        if best is None:
+            raise PlanError(
+                f"no pipeline stage to estimate the memory of for {choices}; use a size of at least 1"
+            )
         return best
 
 
@@ -173,8 +181,8 @@ def search_plans(
     """
     sizes = parallel_sizes(world_size, constraints, per_node, head_counts, profile.num_blocks)
     memory, scaled, ranked, smallest = _MemoryCache(), {}, [], None
-    parts_cache: dict[tuple, dict] = {}
-    splits: dict[tuple, tuple[int, ...]] = {}
+    parts_cache: dict[tuple[Any, ...], dict[int | str, Any]] = {}
+    splits: dict[tuple[Any, ...], tuple[int, ...]] = {}
     limit = budget_gib * _GIB * (1 - margin)
     precisions = _axis(constraints.mixed_precision, ["bf16", "fp32"])
     recomputes = _axis(constraints.activation_checkpointing, ["none", "selective", "full"])
@@ -215,7 +223,7 @@ def search_plans(
                 if parts_key not in parts_cache:
                     parts_cache[parts_key] = op_parts(scaled[micro], choices, hardware)
                 parts = parts_cache[parts_key]
-                split = ()
+                split: tuple[int, ...] = ()
                 if pp > 1 and virtual == 1:
                     if (parts_key, pp) not in splits:
                         splits[parts_key, pp] = balanced_split(scaled[micro], choices, hardware, parts)
@@ -254,7 +262,7 @@ def seconds_per_sample(candidate: Candidate) -> float:
     return candidate.cost.step_time_s / (c.data_parallel_size * c.micro_batch_size * c.num_microbatches)
 
 
-def _rank_key(candidate: Candidate) -> tuple:
+def _rank_key(candidate: Candidate) -> tuple[Any, ...]:
     c = candidate.choices
     return (
         round(seconds_per_sample(candidate), 12),

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 __all__ = ["KEPT_COLLECTIVES", "KEPT_COMPUTE_OPS", "selective_policy"]
 
 
-def _existing(namespace: Any, names: tuple[str, ...]) -> frozenset:
+def _existing(namespace: Any, names: tuple[str, ...]) -> frozenset[Any]:
     """The ``default`` overloads of the ops among ``names`` that this PyTorch build has."""
     return frozenset(getattr(namespace, name).default for name in names if hasattr(namespace, name))
 

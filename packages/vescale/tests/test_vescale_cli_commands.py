@@ -171,7 +171,10 @@ def test_checkpoint_inspect_and_export_hf(tmp_path):
     save(run_dir / "step-000003", {"model": model, "plan": plan.to_dict(), "step": 3})
     model.config.to_json_file(str(run_dir / "config.json"))
 
-    inspected = run_vescale("checkpoint", "inspect", str(run_dir))
+    out = tmp_path / "hf"
+    inspected, exported = run_all(
+        ("checkpoint", "inspect", str(run_dir)), ("checkpoint", "export-hf", str(run_dir), str(out))
+    )
     assert inspected.returncode == 0, inspected.stderr
     assert "step-000003" in inspected.stdout
     assert "model/model.embed_tokens.weight" in inspected.stdout
@@ -181,8 +184,6 @@ def test_checkpoint_inspect_and_export_hf(tmp_path):
         "saved plan:" in inspected.stdout and "data parallel             1, ZeRO-0 (DDP)" in inspected.stdout
     )
 
-    out = tmp_path / "hf"
-    exported = run_vescale("checkpoint", "export-hf", str(run_dir), str(out))
     assert exported.returncode == 0, exported.stderr
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     expected = model.state_dict()

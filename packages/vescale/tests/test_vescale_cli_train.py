@@ -20,6 +20,7 @@ import socket
 import struct
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from pydoc_data.topics import topics
 
@@ -58,6 +59,13 @@ def run_vescale(*arguments: str) -> subprocess.CompletedProcess:
             env=ENVIRONMENT,
             check=False,
         )
+
+
+def run_tool(*arguments: str) -> subprocess.CompletedProcess:
+    """A ``vescale`` command that starts no ranks (checkpoint tools): no rank lock needed."""
+    return subprocess.run(
+        vescale_command(*arguments), capture_output=True, text=True, timeout=300, env=ENVIRONMENT, check=False
+    )
 
 
 def assert_one_line_error(completed: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -195,7 +203,11 @@ def test_two_nodes_on_localhost_train_as_one_process_would(tmp_path):
 def test_checkpoint_of_a_run_shows_its_plan_and_exports(first_run, tmp_path):
     run_dir, completed = first_run
     assert completed.returncode == 0, completed.stdout + completed.stderr
-    inspected = run_vescale("checkpoint", "inspect", str(run_dir))
+    # The checkpoint tools start no ranks: both at once, outside the rank lock.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        inspecting = pool.submit(run_tool, "checkpoint", "inspect", str(run_dir))
+        exporting = pool.submit(run_tool, "checkpoint", "export-hf", str(run_dir), str(tmp_path / "hf"))
+        inspected, exported = inspecting.result(), exporting.result()
     assert inspected.returncode == 0, inspected.stderr
     assert "saved by 2 ranks" in inspected.stdout
     hidden, intermediate = TINY_LLAMA["hidden_size"], TINY_LLAMA["intermediate_size"]
@@ -205,7 +217,6 @@ def test_checkpoint_of_a_run_shows_its_plan_and_exports(first_run, tmp_path):
     assert (
         "saved plan:" in inspected.stdout and "data parallel             2, ZeRO-0 (DDP)" in inspected.stdout
     )
-    exported = run_vescale("checkpoint", "export-hf", str(run_dir), str(tmp_path / "hf"))
     assert exported.returncode == 0, exported.stderr
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # config.json copied beside
     assert model.config.hidden_size == hidden

@@ -13,12 +13,14 @@ in another order: the grouped GEMM's rows, the dp x ep all-reduce; measured wors
 global loss of every step against the reference's, bound 1e-4 relative (the issue's, measured
 worst ~1e-6 over 20 steps); each rank's share of the expert parameters (local numel = 1/ep).
 
-``STEPS`` is small in CI (``VESCALE_EP_STEPS`` raises it, 20 for the issue's acceptance).
+``STEPS`` is small in CI (``VESCALE_EP_STEPS`` raises it, 20 for the issue's acceptance), and
+CI runs four of the twelve model x plan cells (``VESCALE_EP_ALL_CELLS=1``: all of them).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 import pytest
@@ -61,11 +63,12 @@ def _plan(model: torch.nn.Module, key: str):
 def _optimizer(kind: str):
     if kind == "sgd":
         return lambda model: torch.optim.SGD(model.parameters(), lr=0.5)
-    return lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
 
 
 def _train_like_one_device(name: str, key: str, optimizer_kind: str, steps: int) -> dict:
     import vescale
+    from vescale.doptim import clip_grad_norm_
 
     reference = tiny_moe(name)
     model = copy.deepcopy(reference)
@@ -90,6 +93,9 @@ def _train_like_one_device(name: str, key: str, optimizer_kind: str, steps: int)
         if step == 0:
             optimizer.prepare_grads()
             result["grad"] = max(gradient_errors(model.module, reference).values())
+            # The global gradient norm counts every expert shard, ZeRO chunk and replica once.
+            norm = clip_grad_norm_(optimizer, max_norm=1e9)
+            result["norm"] = relative_error(norm, torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9))
         result["losses"].append(float(loss.detach()))
         result["reference"].append(float(reference_loss.detach()))
         optimizer.step()
@@ -103,20 +109,221 @@ def _train_like_one_device(name: str, key: str, optimizer_kind: str, steps: int)
     return result
 
 
+# CI runs one cell per plan, each model twice; VESCALE_EP_ALL_CELLS=1 runs every model under every plan.
 CELLS = [
     ("mixtral", "ep4", "sgd"),
     ("qwen3_moe", "ep2xdp2-zero1", "adamw"),
     ("deepseek_v3", "ep2xdp2-zero3", "sgd"),
     ("mixtral", "ep2xtp2", "adamw"),
 ]
+if os.environ.get("VESCALE_EP_ALL_CELLS") == "1":
+    CELLS = [
+        (name, key, "sgd" if key in ("ep4", "ep2xdp2-zero3") else "adamw")
+        for name in ("mixtral", "qwen3_moe", "deepseek_v3")
+        for key in PLANS
+    ]
 
 
 @pytest.mark.parametrize(("name", "key", "optimizer_kind"), CELLS, ids=["-".join(cell) for cell in CELLS])
 def test_expert_parallel_plan_trains_like_one_device(name, key, optimizer_kind):
     results = run_on_ranks(_train_like_one_device, 4, (name, key, optimizer_kind, STEPS))
-    worst = {k: max(r[k] for r in results) for k in ("grad", "loss")}
+    worst = {k: max(r[k] for r in results) for k in ("grad", "loss", "norm")}
     print(f"{name} {key} {optimizer_kind}: {worst}, local expert numel {results[0]['local_expert_numel']}")
     for rank, result in enumerate(results):
         assert result["local_expert_numel"] * result["share"] == result["expert_numel"], (rank, result)
-        assert result["grad"] <= GRAD_RTOL, (rank, result["grad"])
+        assert result["grad"] <= GRAD_RTOL and result["norm"] <= GRAD_RTOL, (
+            rank,
+            result["grad"],
+            result["norm"],
+        )
         assert result["loss"] <= LOSS_RTOL, (rank, result["losses"], result["reference"])
+
+
+def _deferred_experts_are_the_single_device_slices(key: str) -> dict:
+    import transformers
+
+    import vescale
+
+    eager = tiny_moe("mixtral")
+    torch.manual_seed(0)  # tiny_moe's seed: the same draws as eager construction
+    deferred = vescale.deferred_init(transformers.AutoModelForCausalLM.from_config, eager.config)
+    deferred.train()
+    model, _, _, _ = vescale.parallelize(_plan(eager, key), deferred)
+    mesh = model.mesh
+    ep_rank, ep = mesh.get_local_rank("ep"), mesh.size(mesh.mesh_dim_names.index("ep"))
+    reference = dict(eager.named_parameters())
+    checked = 0
+    for fqn, param in model.module.named_parameters():
+        if ".experts." not in fqn:
+            continue
+        per_rank = reference[fqn].shape[0] // ep
+        expected = reference[fqn].detach()[ep_rank * per_rank : (ep_rank + 1) * per_rank]
+        assert torch.equal(param.to_local(), expected), fqn
+        checked += 1
+    # Everything else is bitwise single-device construction too, and the model trains like it.
+    for fqn, param in model.module.named_parameters():
+        value = param.full_tensor() if hasattr(param, "full_tensor") else param
+        assert torch.equal(value.detach(), reference[fqn].detach()), fqn
+    ids = global_batch(seed=1, batch_size=GLOBAL_BATCH)
+    local_ids = batch_shard(ids, mesh, ("dp", "ep"))
+    loss = model(input_ids=local_ids, labels=local_ids).loss
+    return {
+        "experts_checked": checked,
+        "loss": relative_error(loss.detach(), eager(input_ids=ids, labels=ids).loss),
+    }
+
+
+@pytest.mark.parametrize("key", ["ep4", "ep2xtp2"])
+def test_deferred_init_materialises_each_ranks_experts_only(key):
+    """Each rank's experts are bitwise the same slice of a single-device init (the TP plan leaves them)."""
+    results = run_on_ranks(_deferred_experts_are_the_single_device_slices, 4, (key,))
+    print(f"deferred {key}:", results[0])
+    for result in results:
+        assert result["experts_checked"] == 4 and result["loss"] <= LOSS_RTOL, result
+
+
+def _clip_plain_parameters_beside_experts() -> dict:
+    from vescale.dmodule.experts import average_gradients, parallelize_experts
+    from vescale.doptim import clip_grad_norm_
+    from vescale.dtensor import init_mesh
+
+    reference = tiny_moe("qwen3_moe")
+    model = copy.deepcopy(reference)
+    mesh = init_mesh(dp=2, ep=2)
+    parallelize_experts(model, mesh)  # experts DTensors over ep, every other parameter a plain tensor
+    ids = global_batch(seed=1, batch_size=GLOBAL_BATCH)
+    local_ids = batch_shard(ids, mesh, ("dp", "ep"))
+    model(input_ids=local_ids, labels=local_ids).loss.backward()
+    average_gradients(model, mesh)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    reference_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+    norm = clip_grad_norm_(model.parameters(), 0.1)
+    return {
+        "norm": relative_error(norm, reference_norm),
+        "grad": max(gradient_errors(model, reference).values()),
+    }
+
+
+def test_clip_grad_norm_counts_plain_parameters_beside_experts_once():
+    """Before the fix the plain (non-expert) gradients were summed over every rank of the mesh: the norm
+    came out 2x and more; now the norm and the clipped gradients equal one device's."""
+    results = run_on_ranks(_clip_plain_parameters_beside_experts, 4)
+    print("clip beside experts dp2xep2:", results[0])
+    for result in results:
+        assert result["norm"] <= GRAD_RTOL and result["grad"] <= GRAD_RTOL, result
+
+
+CHECKPOINT_MODEL = "mixtral"
+SAVED_AFTER = 2  # SGD steps before the save
+CONTINUED = 2  # SGD steps after the load
+
+
+def _sgd_curve(model: torch.nn.Module, first_step: int, steps: int) -> list[float]:
+    """Single-device SGD losses of global batches ``first_step ..`` (the reference's batches)."""
+    sgd = _optimizer("sgd")(model)
+    losses = []
+    for step in range(first_step, first_step + steps):
+        ids = global_batch(seed=step + 1, batch_size=GLOBAL_BATCH)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        sgd.step()
+        sgd.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _parallel_curve(model, optimizer, first_step: int, steps: int) -> list[float]:
+    losses = []
+    for step in range(first_step, first_step + steps):
+        local_ids = batch_shard(
+            global_batch(seed=step + 1, batch_size=GLOBAL_BATCH), model.mesh, ("dp", "ep")
+        )
+        loss = model(input_ids=local_ids, labels=local_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _ep_model(ep: int, seed: int):
+    import vescale
+    from vescale.doptim.plan import DataParallelPlan
+    from vescale.planner import Plan
+
+    plan = Plan(
+        mesh={"ep": ep},
+        data_parallel=DataParallelPlan(size=1),
+        global_batch_size=GLOBAL_BATCH,
+        micro_batch_size=GLOBAL_BATCH // ep,
+    )
+    model, optimizer, _, _ = vescale.parallelize(
+        plan, tiny_moe(CHECKPOINT_MODEL, seed=seed), _optimizer("sgd")
+    )
+    return model, optimizer
+
+
+def _save_at_ep4(directory: str) -> None:
+    import vescale
+    from vescale.dtensor.testing.numerics import full_parameters
+
+    model, optimizer = _ep_model(4, seed=0)  # the reference's weights
+    _parallel_curve(model, optimizer, 0, SAVED_AFTER)
+    vescale.save(f"{directory}/step-{SAVED_AFTER}", {"model": model})
+    saved = full_parameters(model.module)
+    if torch.distributed.get_rank() == 0:
+        torch.save(saved, f"{directory}/saved_parameters.pt")
+
+
+def _load_and_continue(directory: str, ep: int | None) -> dict:
+    import vescale
+    from vescale.dtensor.testing.numerics import full_parameters
+
+    if ep is None:  # one process, no parallelism: the plain model
+        model = tiny_moe(CHECKPOINT_MODEL, seed=7)
+        vescale.load(f"{directory}/step-{SAVED_AFTER}", {"model": model})
+        loaded = {fqn: p.detach().clone() for fqn, p in model.named_parameters()}
+        losses = _sgd_curve(model, SAVED_AFTER, CONTINUED)
+    else:
+        model, optimizer = _ep_model(ep, seed=7)
+        vescale.load(f"{directory}/step-{SAVED_AFTER}", {"model": model})
+        loaded = full_parameters(model.module)
+        losses = _parallel_curve(model, optimizer, SAVED_AFTER, CONTINUED)
+    saved = torch.load(f"{directory}/saved_parameters.pt")
+    reference = tiny_moe(CHECKPOINT_MODEL)
+    curve = _sgd_curve(reference, 0, SAVED_AFTER + CONTINUED)[SAVED_AFTER:]
+    return {
+        "bitwise": all(torch.equal(loaded[fqn], saved[fqn]) for fqn in saved)
+        and loaded.keys() == saved.keys(),
+        "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, curve, strict=True)),
+    }
+
+
+def test_checkpoint_saved_at_ep4_loads_at_ep2_and_one_process_and_as_hugging_face(tmp_path):
+    """ep4 saves after 2 SGD steps; ep2 (2 ranks) and one plain process load it bit for bit and continue on
+    the single-device curve (losses of steps 3-4 within 1e-4 relative); the Hugging Face export of it
+    loads with from_pretrained, bit for bit. Each expert tensor is one tensor of its global shape."""
+    import transformers
+
+    from vescale.dcheckpoint import read_index
+    from vescale.dcheckpoint.hf import export_hf
+
+    directory = str(tmp_path)
+    run_on_ranks(_save_at_ep4, 4, (directory,))
+    index = read_index(tmp_path / f"step-{SAVED_AFTER}")
+    for name, record in index.tensors.items():
+        if ".experts." in name:
+            # One tensor of the global shape (8 experts), its chunks holding every element once.
+            assert record.shape[0] == 8, (name, record.shape)
+            assert sum(chunk.box.numel for chunk in record.chunks) == math.prod(record.shape), name
+    for ep, world in ((2, 2), (None, 1)):
+        results = run_on_ranks(_load_and_continue, world, (directory, ep))
+        print(f"load at ep={ep} on {world} ranks:", results[0])
+        for result in results:
+            assert result["bitwise"] and result["loss"] <= LOSS_RTOL, result
+    export_hf(tmp_path / f"step-{SAVED_AFTER}", tmp_path / "hf")
+    tiny_moe(CHECKPOINT_MODEL).config.save_pretrained(tmp_path / "hf")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    saved = torch.load(tmp_path / "saved_parameters.pt")
+    for fqn, param in exported.named_parameters():
+        assert torch.equal(param.detach(), saved[fqn]), fqn

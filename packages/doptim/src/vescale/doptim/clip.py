@@ -103,10 +103,15 @@ def clip_grad_norm_(
     if not pieces:
         return torch.tensor(0.0)
     meshes = {id(piece.mesh): piece.mesh for piece in pieces if piece.mesh is not None}
-    if len(meshes) > 1:
+    # Meshes over the same ranks (a mesh and one with some of its dims flattened, as FSDP2 makes
+    # over dp x ep) count each piece on their own dims and reduce over the same ranks: one norm.
+    rank_sets = {tuple(sorted(mesh.mesh.flatten().tolist())) for mesh in meshes.values()}
+    if len(rank_sets) > 1:
         raise DataParallelMeshError(
-            f"the gradients live on {len(meshes)} different meshes; clip each model's parameters separately"
+            f"the gradients live on {len(meshes)} meshes over different ranks; clip each model's "
+            "parameters separately"
         )
+    meshes = dict(list(meshes.items())[:1])
     if meshes:
         # A plain-tensor gradient beside DTensor ones (e.g. a router next to experts sharded over ep)
         # is the same on every rank of the mesh: count it on coordinate 0 of every dim only, or the

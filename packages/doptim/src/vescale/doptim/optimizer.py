@@ -117,7 +117,9 @@ class DistributedOptimizer(Optimizer):
                 param for group in self.param_groups for param in group["params"] if param.grad is not None
             ]
             return [
-                GradPiece(param.grad.to_local(), self.owner.device_mesh, sharded_mesh_dims(param))
+                # Each parameter's own mesh: over several dp dims (dp x ep) FSDP2 puts the non-expert
+                # parameters on a mesh with those dims flattened into one.
+                GradPiece(param.grad.to_local(), param.device_mesh, sharded_mesh_dims(param))
                 for param in params
             ]
         names = self.owner.device_mesh.mesh_dim_names

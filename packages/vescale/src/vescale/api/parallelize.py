@@ -29,7 +29,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -42,7 +43,8 @@ from vescale.api._global_batch import ParallelizedModel
 from vescale.api._recompute import checkpoint_repeated_blocks
 from vescale.api.errors import ParallelizeError, PlanMismatchError, UnsupportedPlanError, WorldSizeError
 from vescale.dmodule import DModuleError, materialize_module, parallelize_module
-from vescale.dmodule.experts import parallelize_experts, tensor_parallel_outside_experts
+from vescale.dmodule.experts import find_moe_blocks, parallelize_experts, tensor_parallel_outside_experts
+from vescale.dmodule.sharding_plan import ShardingPlan
 from vescale.doptim import DistributedOptimizer, data_parallel
 from vescale.dpipe import PipelineError, pipeline_parallelize
 from vescale.dtensor import init_mesh, is_deferred
@@ -122,7 +124,8 @@ def _batch_dims(plan: Plan) -> str | tuple[str, ...]:
     return ("dp", "ep") if plan.mesh_size("ep") > 1 else "dp"
 
 
-def _apply_tensor_parallel(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> None:
+def _tensor_parallel_plan(plan: Plan, model: nn.Module) -> ShardingPlan | dict[str, Any] | None:
+    """The sharding plan to apply over tp: the plan's, without the experts when they are not split over tp."""
     ep = plan.mesh_size("ep")
     if ep > 1 and plan.experts_split_over_tp:
         raise UnsupportedPlanError(
@@ -130,17 +133,25 @@ def _apply_tensor_parallel(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> No
             "are not implemented; set expert_parallel.expert_tensor_parallel to false (tensor parallelism "
             "outside the experts) or mesh.ep to 1"
         )
-    sharding_plan = plan.sharding_plan
-    if sharding_plan is None and ep > 1 and plan.data_parallel.zero_stage == 3:
+    if plan.sharding_plan is None:
         # ZeRO-3 over dp x ep shards DTensor parameters on the mesh: make every parameter one (Replicate).
-        sharding_plan = {"parameter": {}}
+        return {"parameter": {}} if ep > 1 and plan.data_parallel.zero_stage == 3 else None
+    if plan.experts_split_over_tp:
+        return plan.sharding_plan
+    try:
+        return tensor_parallel_outside_experts(plan.sharding_plan, model)
+    except DModuleError as error:
+        raise PlanMismatchError(f"plan.sharding_plan cannot leave the experts to mesh.ep: {error}") from error
+
+
+def _apply_tensor_parallel(
+    model: nn.Module, mesh: DeviceMesh, sharding_plan: ShardingPlan | dict[str, Any] | None
+) -> None:
     if sharding_plan is None:
         if any(is_deferred(tensor) for tensor in [*model.parameters(), *model.buffers()]):
             materialize_module(model)
         return
     try:
-        if not isinstance(sharding_plan, dict) and not plan.experts_split_over_tp:
-            sharding_plan = tensor_parallel_outside_experts(sharding_plan, model)
         parallelize_module(model, mesh, sharding_plan, mesh_dim="tp")
     except DModuleError as error:
         raise PlanMismatchError(
@@ -157,6 +168,21 @@ def _apply_pipeline(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> nn.Module
             f"plan.pipeline does not fit {type(model).__name__}: {error}. Regenerate the plan with "
             "vescale.generate_plan(model, constraints)"
         ) from error
+
+
+@contextlib.contextmanager
+def _experts_held_out(model: nn.Module) -> Iterator[None]:
+    """The MoE blocks' expert parameters taken out of their modules for the block, then put back (in
+    their order: an experts module holds only them)."""
+    held = []
+    for block in find_moe_blocks(model):
+        experts = model.get_submodule(block.experts_fqn)
+        held += [(experts, name, experts._parameters.pop(name)) for name in block.expert_parameters]
+    try:
+        yield
+    finally:
+        for experts, name, param in held:
+            experts._parameters[name] = param
 
 
 def _apply_expert_parallel(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> None:
@@ -194,8 +220,16 @@ def _apply_data_parallel(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> None
 
 
 def _parallel_module(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    _apply_tensor_parallel(plan, model, mesh)
-    if plan.mesh_size("ep") > 1:
+    expert_parallel = plan.mesh_size("ep") > 1
+    sharding_plan = _tensor_parallel_plan(plan, model)
+    if expert_parallel and any(is_deferred(param) for param in model.parameters()):
+        # A deferred model: the rest is materialised (TP shards or full tensors) with the experts held
+        # out, then each rank materialises its own experts only.
+        with _experts_held_out(model):
+            _apply_tensor_parallel(model, mesh, sharding_plan)
+    else:
+        _apply_tensor_parallel(model, mesh, sharding_plan)
+    if expert_parallel:
         _apply_expert_parallel(plan, model, mesh)
     if plan.mixed_precision == "bf16" and plan.data_parallel.zero_stage < 3:
         model.to(torch.bfloat16)

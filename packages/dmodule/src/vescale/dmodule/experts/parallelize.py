@@ -5,7 +5,9 @@ module classes, FQNs and router; on its experts module instance:
 
 * every expert parameter (3-D weights, 2-D biases) becomes a DTensor ``Shard(0)`` on
   ``ep_dim`` and ``Replicate`` on every other mesh dim: each rank holds E/ep whole experts,
-  taken from the full parameter it already has (no communication, bitwise the same slice);
+  taken from the full parameter it already has (no communication, bitwise the same slice), or
+  on a deferred model (``deferred_init``) materialised as that slice only, bitwise equal to the
+  same slice of single-device construction (the rest of the model stays deferred);
 * the router computes its logits, scores and top-k in float32 (:mod:`.router_precision`);
 * ``forward`` (an instance attribute; the ``transformers`` class is untouched) dispatches the
   tokens to the experts' owners and combines the outputs (:mod:`.dispatch`), with the
@@ -42,6 +44,7 @@ from vescale.dmodule.experts.dispatch import dispatch_and_combine
 from vescale.dmodule.experts.errors import ExpertParallelError
 from vescale.dmodule.experts.local_experts import LocalExperts
 from vescale.dmodule.experts.router_precision import route_in_float32
+from vescale.dtensor.deferred import is_deferred, materialize_tensor
 
 __all__ = [
     "BATCH_DIM_NAMES",
@@ -152,15 +155,22 @@ def _expert_parallel_forward(
     return output
 
 
-def _shard_parameter(param: nn.Parameter, mesh: DeviceMesh, ep_index: int, ep_dim: str) -> nn.Parameter:
+def _shard_parameter(
+    param: nn.Parameter, mesh: DeviceMesh, ep_index: int, ep_dim: str, fqn: str
+) -> nn.Parameter:
     placements = [Shard(0) if index == ep_index else Replicate() for index in range(mesh.ndim)]
-    ep_size, ep_rank = mesh.size(ep_index), mesh.get_local_rank(ep_dim)
-    per_rank = param.shape[0] // ep_size
-    full = param.to_local() if isinstance(param, DTensor) else param
-    local = full.detach()[ep_rank * per_rank : (ep_rank + 1) * per_rank].clone()
-    sharded = DTensor.from_local(
-        local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
+    if is_deferred(param):
+        # A deferred model (vescale.deferred_init): this rank materialises its experts only, with the
+        # values (and random draws) of single-device construction.
+        sharded = materialize_tensor(param, mesh, placements, fqn=fqn)
+    else:
+        ep_size, ep_rank = mesh.size(ep_index), mesh.get_local_rank(ep_dim)
+        per_rank = param.shape[0] // ep_size
+        full = param.to_local() if isinstance(param, DTensor) else param
+        local = full.detach()[ep_rank * per_rank : (ep_rank + 1) * per_rank].clone()
+        sharded = DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
     new_param = nn.Parameter(sharded, requires_grad=param.requires_grad)
     setattr(new_param, EXPERT_PARALLEL_ATTRIBUTE, ep_dim)
     return new_param
@@ -238,7 +248,9 @@ def parallelize_experts(
                     f"{block.experts_fqn}.{name} is None; expert parallelism shards the experts' "
                     "parameters and this one is missing: build the model before parallelising it"
                 )
-            experts._parameters[name] = _shard_parameter(parameter, mesh, ep_index, ep_dim)
+            experts._parameters[name] = _shard_parameter(
+                parameter, mesh, ep_index, ep_dim, f"{block.experts_fqn}.{name}"
+            )
         state = ExpertParallelState(
             block.experts_fqn, mesh, ep_dim, block.num_experts, capacity_factor, local_experts, block=block
         )

@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from vescale.doptim.errors import DataParallelConfigError
+
 __all__ = ["Bucket", "ParamSlot", "ReductionGroup", "build_buckets", "local_tensor"]
 
 
@@ -97,6 +99,32 @@ class Bucket:
     def divisor(self) -> int:
         """What the summed gradients are divided by: the ranks the batch is split over."""
         return self.reduction.divisor if self.reduction is not None else self.dp_size
+
+    @property
+    def reduction_group(self) -> ReductionGroup:
+        """The group the bucket is reduced over (DDP sets it when it builds its buckets)."""
+        if self.reduction is None:
+            raise DataParallelConfigError(
+                f"bucket {self.index} has no reduction group; build buckets through DDP (build_buckets "
+                "with reduction_of)"
+            )
+        return self.reduction
+
+    def reduced_buffer(self) -> torch.Tensor:
+        """The full gradient buffer, which must exist (a bucket whose gradients arrived)."""
+        if self.grad_buffer is None:
+            raise DataParallelConfigError(
+                f"bucket {self.index} holds no gradient buffer; read it after backward, before it is released"
+            )
+        return self.grad_buffer
+
+    def reduced_chunk(self) -> torch.Tensor:
+        """This rank's chunk of the averaged bucket (ZeRO-2), which must exist."""
+        if self.grad_chunk is None:
+            raise DataParallelConfigError(
+                f"bucket {self.index} holds no reduced chunk; read it after the ZeRO-2 reduction ran"
+            )
+        return self.grad_chunk
 
     @property
     def chunk_numel(self) -> int:

@@ -99,6 +99,11 @@ def clip_grad_norm_(
         pieces = grad_pieces()
     else:
         parameters = parameters_or_optimizer
+        if isinstance(parameters, torch.optim.Optimizer):
+            raise DataParallelConfigError(
+                f"clip_grad_norm_ got a {type(parameters).__name__}, which has no grad_pieces(); pass the "
+                "model's parameters, or a DistributedOptimizer"
+            )
         pieces = _pieces_of_parameters([parameters] if isinstance(parameters, torch.Tensor) else parameters)
     if not pieces:
         return torch.tensor(0.0)

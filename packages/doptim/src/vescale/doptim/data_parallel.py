@@ -23,18 +23,18 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.fsdp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from vescale.doptim.ddp import DATA_PARALLEL_ATTRIBUTE, DDP, data_parallel_of, dp_mesh_dims
 from vescale.doptim.errors import DataParallelConfigError, DataParallelMeshError
-from vescale.doptim.mesh_groups import mesh_dims_group
+from vescale.doptim.mesh_groups import mesh_dim_names, mesh_dims_group
 from vescale.doptim.reduction import RankOrderedReduceScatter
 
 __all__ = ["ZERO_STAGES", "FullyShardedState", "data_parallel"]
@@ -114,15 +114,21 @@ def _mixed_precision_policy(model: nn.Module, compute_dtype: torch.dtype | None)
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
 
+def _use_rank_ordered_reduce_scatter(unit: FSDPModule) -> None:
+    # FSDP2 duck-types the hook (allocate() and the call); torch annotates its private base class.
+    unit.set_custom_reduce_scatter(RankOrderedReduceScatter())  # type: ignore[arg-type]
+
+
 def _batch_sharded_units(model: nn.Module, dims: tuple[str, ...]) -> list[tuple[nn.Module, tuple[str, ...]]]:
     """The modules whose own parameters are sharded over some of the data-parallel ``dims`` (experts
     over ep), each with the dims it is replicated on: FSDP2 shards those over the rest only."""
     units = []
     for module in model.modules():
-        own = [param for param in module._parameters.values() if isinstance(param, DTensor)]
+        # mypy cannot intersect Parameter with DTensor; these are the module's DTensor parameters.
+        own = [cast(DTensor, param) for param in module._parameters.values() if isinstance(param, DTensor)]
         if not own:
             continue
-        names = own[0].device_mesh.mesh_dim_names
+        names = mesh_dim_names(own[0].device_mesh)
         kinds = {
             tuple(dim for dim in dims if isinstance(param.placements[names.index(dim)], Replicate))
             for param in own
@@ -152,19 +158,23 @@ def _apply_zero3_over_dims(
     special = _batch_sharded_units(model, dims)
     for unit, replicated in special:
         shard = replicated[0] if len(replicated) == 1 else replicated
-        fully_shard(unit, mesh=spmd_mesh, dp_mesh_dims=mesh_dims_class(shard=shard), mp_policy=mp_policy)
+        sharded_unit = fully_shard(
+            unit, mesh=spmd_mesh, dp_mesh_dims=mesh_dims_class(shard=shard), mp_policy=mp_policy
+        )
         # Divided by every batch rank, not by the dp ranks it is reduced over; a sum then a division
         # (gloo has no pre-multiplied sum, which a custom factor would otherwise use).
-        unit.set_gradient_divide_factor(float(divisor))
-        unit.set_force_sum_reduction_for_comms(True)
+        sharded_unit.set_gradient_divide_factor(float(divisor))
+        sharded_unit.set_force_sum_reduction_for_comms(True)
         if deterministic:
-            unit.set_custom_reduce_scatter(RankOrderedReduceScatter())
+            _use_rank_ordered_reduce_scatter(sharded_unit)
     for unit in _fully_shard_units(model):
         if any(unit is done for done, _ in special):
             continue
-        fully_shard(unit, mesh=spmd_mesh, dp_mesh_dims=mesh_dims_class(shard=dims), mp_policy=mp_policy)
+        sharded_unit = fully_shard(
+            unit, mesh=spmd_mesh, dp_mesh_dims=mesh_dims_class(shard=dims), mp_policy=mp_policy
+        )
         if deterministic:
-            unit.set_custom_reduce_scatter(RankOrderedReduceScatter())
+            _use_rank_ordered_reduce_scatter(sharded_unit)
 
 
 def _apply_zero3(
@@ -202,14 +212,14 @@ def _apply_zero3(
     spmd_mesh = _parameters_mesh_object(model, device_mesh) if on_mesh else device_mesh
     mp_policy = _mixed_precision_policy(model, compute_dtype)
     for unit in _fully_shard_units(model):
-        if on_mesh:
-            fully_shard(
+        if on_mesh and mesh_dims_class is not None:  # not None on a mesh: checked above
+            sharded_unit = fully_shard(
                 unit, mesh=spmd_mesh, dp_mesh_dims=mesh_dims_class(shard=mesh_dim), mp_policy=mp_policy
             )
         else:
-            fully_shard(unit, mesh=device_mesh[mesh_dim], mp_policy=mp_policy)
+            sharded_unit = fully_shard(unit, mesh=device_mesh[mesh_dim], mp_policy=mp_policy)
         if deterministic:
-            unit.set_custom_reduce_scatter(RankOrderedReduceScatter())
+            _use_rank_ordered_reduce_scatter(sharded_unit)
     state = FullyShardedState(model, device_mesh, mesh_dim, deterministic, compute_dtype)
     setattr(model, DATA_PARALLEL_ATTRIBUTE, state)
     for param in model.parameters():

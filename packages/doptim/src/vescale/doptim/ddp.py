@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from vescale.doptim import _compat
 from vescale.doptim.buckets import Bucket, ParamSlot, ReductionGroup, build_buckets, local_tensor
 from vescale.doptim.errors import DataParallelConfigError, DataParallelMeshError
-from vescale.doptim.mesh_groups import mesh_dims_group
+from vescale.doptim.mesh_groups import mesh_dim_names, mesh_dims_group
 from vescale.doptim.reduction import BucketReduction, start_reduction
 
 __all__ = [
@@ -107,14 +108,15 @@ def _weak_forward_pre_hook(ddp: DDP) -> Callable[..., None]:
     """``ddp._point_grads_at_buckets`` through a weak reference, outside compiled code (it sets ``.grad``)."""
     reference = weakref.ref(ddp)
 
-    @torch.compiler.disable
-    def before_forward(module: nn.Module, args: tuple) -> None:
+    def before_forward(module: nn.Module, args: tuple[Any, ...]) -> None:
         owner = reference()
         # Only before a forward that records a graph (not under no_grad, e.g. evaluation).
         if owner is not None and torch.is_grad_enabled():
             owner._point_grads_at_buckets()
 
-    return before_forward
+    # torch leaves torch.compiler.disable unannotated.
+    disabled: Callable[..., None] = torch.compiler.disable(before_forward)  # type: ignore[no-untyped-call]
+    return disabled
 
 
 def data_parallel_of(module_or_param: nn.Module | torch.Tensor) -> DDP | None:
@@ -132,7 +134,7 @@ def _check_parameter_mesh(
             f"parameter {fqn!r} lives on {param.device_mesh}, not on the data-parallel mesh {device_mesh}; "
             "parallelize the model on the same mesh you give to DDP/data_parallel"
         )
-    names = device_mesh.mesh_dim_names
+    names = mesh_dim_names(device_mesh)
     placement = param.placements[names.index(dims[0])]
     if len(dims) > 1:
         # Over several batch dims (dp x ep), a parameter sharded over one of them (an expert over ep)
@@ -245,7 +247,9 @@ class DDP:
         # a dropped model (and its process groups) alive for the life of the process.
         on_gradient = _weak_gradient_hook(self)
         self._hook_handles = [
-            param.register_post_accumulate_grad_hook(on_gradient) for _, param in named_parameters
+            # torch leaves register_post_accumulate_grad_hook unannotated.
+            param.register_post_accumulate_grad_hook(on_gradient)  # type: ignore[no-untyped-call]
+            for _, param in named_parameters
         ]
         self._hook_handles.append(module.register_forward_pre_hook(_weak_forward_pre_hook(self)))
         setattr(module, DATA_PARALLEL_ATTRIBUTE, self)
@@ -256,7 +260,7 @@ class DDP:
         """The ranks ``param``'s gradient is summed over: the data-parallel dims it is replicated on."""
         dims = self.mesh_dims
         if isinstance(param, DTensor) and len(dims) > 1:
-            names = self.device_mesh.mesh_dim_names
+            names = mesh_dim_names(self.device_mesh)
             dims = tuple(dim for dim in dims if isinstance(param.placements[names.index(dim)], Replicate))
         if dims not in self._reductions_by_dims:
             group, size, rank = mesh_dims_group(self.device_mesh, dims)
@@ -392,8 +396,14 @@ class DDP:
             self._callback_queued = True
             _compat.queue_end_of_backward_callback(self._end_of_backward)
         grad = param.grad
-        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
-            grad = grad.redistribute(param.device_mesh, param.placements)
+        if grad is None:  # a post-accumulate-grad hook runs once the gradient is there
+            raise DataParallelConfigError(
+                f"parameter {slot.fqn!r} reached its gradient hook without a gradient"
+            )
+        if isinstance(grad, DTensor):
+            dparam = cast(DTensor, param)  # a DTensor gradient belongs to a DTensor parameter
+            if tuple(grad.placements) != tuple(dparam.placements):
+                grad = grad.redistribute(dparam.device_mesh, dparam.placements)
         local = local_tensor(grad)
         view = bucket.grad_view(slot)
         if self._grad_is_bucket_view(param):
@@ -438,7 +448,7 @@ class DDP:
     def _launch(self, bucket: Bucket) -> None:
         self._reductions[bucket.index] = start_reduction(
             bucket,
-            bucket.reduction.group,
+            bucket.reduction_group.group,
             result=self.reduce_result,
             deterministic=self.deterministic,
             grad_chunk=bucket.allocate_grad_chunk() if self.zero_stage == 2 else None,

@@ -20,15 +20,32 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["mesh_dims_group"]
+from vescale.doptim.errors import DataParallelMeshError
+
+__all__ = ["mesh_dim_names", "mesh_dims_group"]
 
 _GROUPS: weakref.WeakKeyDictionary[DeviceMesh, dict[tuple[str, ...], Any]] = weakref.WeakKeyDictionary()
+
+
+def mesh_dim_names(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The mesh's dim names; data parallelism finds its dims by name, so a mesh needs them.
+
+    Example::
+
+        mesh_dim_names(init_mesh(dp=2, tp=2))   # ("dp", "tp")
+    """
+    if mesh.mesh_dim_names is None:
+        raise DataParallelMeshError(
+            f"the mesh {mesh} has no dim names; build it with init_mesh(dp=..., ...) so that data "
+            "parallelism can find its dims"
+        )
+    return mesh.mesh_dim_names
 
 
 def _flattened_rank(mesh: DeviceMesh, dims: Sequence[str]) -> int:
     rank = 0
     for dim in dims:
-        rank = rank * mesh.size(mesh.mesh_dim_names.index(dim)) + mesh.get_local_rank(dim)
+        rank = rank * mesh.size(mesh_dim_names(mesh).index(dim)) + mesh.get_local_rank(dim)
     return rank
 
 

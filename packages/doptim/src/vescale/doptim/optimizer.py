@@ -31,6 +31,7 @@ from vescale.doptim.clip import GradPiece, sharded_mesh_dims
 from vescale.doptim.data_parallel import FullyShardedState
 from vescale.doptim.ddp import DDP, data_parallel_of
 from vescale.doptim.errors import DataParallelConfigError, OptimizerOrderError
+from vescale.doptim.mesh_groups import mesh_dim_names
 from vescale.doptim.state_dict import load_optimizer_state, optimizer_state
 from vescale.doptim.zero import ParamShard, build_param_shards, load_grads, publish_params
 
@@ -122,7 +123,7 @@ class DistributedOptimizer(Optimizer):
                 GradPiece(param.grad.to_local(), param.device_mesh, sharded_mesh_dims(param))
                 for param in params
             ]
-        names = self.owner.device_mesh.mesh_dim_names
+        names = mesh_dim_names(self.owner.device_mesh)
         return [
             GradPiece(
                 shard.master.grad,
@@ -137,7 +138,7 @@ class DistributedOptimizer(Optimizer):
         """The mesh dims over which ZeRO 1-2 split ``shard``'s bucket into chunks (its reduction dims)."""
         if self.zero_stage == 0:
             return frozenset()
-        return frozenset(names.index(dim) for dim in shard.bucket.reduction.dims)
+        return frozenset(names.index(dim) for dim in shard.bucket_and_slot()[0].reduction_group.dims)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from vescale.doptim.buckets import Bucket
+from vescale.doptim.errors import DataParallelConfigError
 
 __all__ = [
     "REDUCTION_RESULTS",
@@ -109,7 +110,21 @@ class BucketReduction:
 
     def is_completed(self) -> bool:
         """Whether the collective has finished (without blocking); :meth:`wait` may still be due."""
-        return self.done or self.work.is_completed()
+        return self.done or bool(self._work().is_completed())
+
+    def _work(self) -> Any:
+        if self.work is None:  # set by start_reduction until wait() completes the reduction
+            raise DataParallelConfigError(
+                f"the reduction of bucket {self.bucket.index} has no collective in flight; wait() it once"
+            )
+        return self.work
+
+    def _chunk(self) -> torch.Tensor:
+        if self.grad_chunk is None:  # start_reduction takes one for result="reduce_scatter"
+            raise DataParallelConfigError(
+                f"the reduce-scatter of bucket {self.bucket.index} was started without a grad_chunk"
+            )
+        return self.grad_chunk
 
     def wait(self) -> None:
         """Block until the collective is done, then finish the average (rank-ordered if deterministic).
@@ -119,21 +134,25 @@ class BucketReduction:
         if self.done:
             return
         self.done = True
-        self.work.wait()
+        self._work().wait()
         # The work object holds the collective's input and output tensors: a ZeRO-2 bucket's full
         # buffer would outlive its release until backward ends (every bucket's at once, the peak).
         self.work = None
         dp_size = self.bucket.dp_size
         if not self.deterministic:
-            averaged = self.bucket.grad_buffer if self.result == "all_reduce" else self.grad_chunk
+            averaged = self.bucket.reduced_buffer() if self.result == "all_reduce" else self._chunk()
             averaged.div_(self.bucket.divisor)
             return
+        if self.received is None:  # start_reduction receives every rank's bucket when deterministic
+            raise DataParallelConfigError(
+                f"the deterministic reduction of bucket {self.bucket.index} received nothing"
+            )
         total = rank_ordered_average(self.received, dp_size, divisor=self.bucket.divisor)
         self.received = None
         if self.result == "reduce_scatter":
-            self.grad_chunk.copy_(total)
+            self._chunk().copy_(total)
         else:
-            all_gather_flat(self.bucket.grad_buffer, total, group=self.group)
+            all_gather_flat(self.bucket.reduced_buffer(), total, group=self.group)
 
 
 def start_reduction(
@@ -149,19 +168,26 @@ def start_reduction(
                         deterministic=False, grad_chunk=chunk).wait()
     """
     received = None
+    buffer = bucket.reduced_buffer()
+    if result == "reduce_scatter" and grad_chunk is None:
+        raise DataParallelConfigError(
+            f'start_reduction(result="reduce_scatter") of bucket {bucket.index} needs the grad_chunk to fill'
+        )
     if group is None or dist.get_world_size(group) == 1:
         # One rank: the sum is the bucket itself; no collective. Divided only when the batch is split
         # over other ranks (an expert bucket of an ep-only mesh), so ranks that are alone stay bitwise.
-        if result == "reduce_scatter":
-            grad_chunk.copy_(bucket.grad_buffer)
+        if grad_chunk is not None and result == "reduce_scatter":
+            grad_chunk.copy_(buffer)
         if bucket.divisor != 1:
-            (grad_chunk if result == "reduce_scatter" else bucket.grad_buffer).div_(bucket.divisor)
+            (grad_chunk if grad_chunk is not None and result == "reduce_scatter" else buffer).div_(
+                bucket.divisor
+            )
         return BucketReduction(bucket, group, result, deterministic, None, None, grad_chunk, done=True)
     if deterministic:
-        received = torch.empty_like(bucket.grad_buffer)
-        work = dist.all_to_all_single(received, bucket.grad_buffer, group=group, async_op=True)
+        received = torch.empty_like(buffer)
+        work = dist.all_to_all_single(received, buffer, group=group, async_op=True)
     elif result == "all_reduce":
-        work = dist.all_reduce(bucket.grad_buffer, group=group, async_op=True)
+        work = dist.all_reduce(buffer, group=group, async_op=True)
     else:
-        work = reduce_scatter_flat(grad_chunk, bucket.grad_buffer, group=group, async_op=True)
+        work = reduce_scatter_flat(grad_chunk, buffer, group=group, async_op=True)
     return BucketReduction(bucket, group, result, deterministic, work, received, grad_chunk)

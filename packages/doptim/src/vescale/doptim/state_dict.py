@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -82,7 +82,12 @@ def local_states(optimizer: ShardedOptimizer) -> Iterator[tuple[ParamShard, str,
         for shard, name, value, elementwise in local_states(optimizer):
             print(shard.fqn, name, elementwise)
     """
-    ddp: DDP = optimizer.owner
+    ddp = optimizer.owner
+    if not isinstance(ddp, DDP):  # ZeRO-3 keeps its state keyed by the parameters (no buckets)
+        raise DataParallelConfigError(
+            "local_states reads the bucketed state of ZeRO stages 0-2; a ZeRO-3 optimizer's state is "
+            "keyed by the model's parameters already"
+        )
     for bucket in ddp.buckets:
         shards = [optimizer.shards[id(slot.param)] for slot in bucket.slots]
         names = sorted({name for shard in shards for name in optimizer.state.get(shard.master, {})})
@@ -94,7 +99,7 @@ def local_states(optimizer: ShardedOptimizer) -> Iterator[tuple[ParamShard, str,
         # A bucket holds one parameter dtype, so its masters are all views or all separate copies.
         if not shards[0].master_is_view:
             names.append(MASTER_WEIGHT)
-        chunk_start = bucket.chunk_range(bucket.reduction.rank)[0]
+        chunk_start = bucket.chunk_range(bucket.reduction_group.rank)[0]
         for name in names:
             if name == MASTER_WEIGHT:
                 values = [shard.master for shard in shards]
@@ -113,17 +118,19 @@ def local_states(optimizer: ShardedOptimizer) -> Iterator[tuple[ParamShard, str,
             if ddp.zero_stage == 0:
                 flat_state = torch.zeros(bucket.padded_numel, dtype=dtype)
                 for shard, value in stepped:
-                    flat_state[shard.slot.offset : shard.slot.offset + shard.slot.numel].copy_(value)
+                    slot = shard.bucket_and_slot()[1]
+                    flat_state[slot.offset : slot.offset + slot.numel].copy_(value)
             else:
                 chunk = torch.zeros(bucket.chunk_numel, dtype=dtype)
                 for shard, value in stepped:
-                    begin = shard.slot.offset + shard.start - chunk_start
+                    begin = shard.bucket_and_slot()[1].offset + shard.start - chunk_start
                     chunk[begin : begin + shard.end - shard.start].copy_(value)
                 flat_state = torch.empty(bucket.padded_numel, dtype=dtype)
-                all_gather_flat(flat_state, chunk, group=bucket.reduction.group)
+                all_gather_flat(flat_state, chunk, group=bucket.reduction_group.group)
             for shard, _ in stepped:
-                local = flat_state[shard.slot.offset : shard.slot.offset + shard.slot.numel]
-                yield shard, name, local.view(shard.slot.local_shape), True
+                slot = shard.bucket_and_slot()[1]
+                local = flat_state[slot.offset : slot.offset + slot.numel]
+                yield shard, name, local.view(slot.local_shape), True
 
 
 def _gathered_ddp_state(optimizer: ShardedOptimizer) -> dict[str, dict[str, Any]]:
@@ -174,7 +181,10 @@ def _local_part(
     optimizer: ShardedOptimizer, fqn: str, master: torch.Tensor, value: torch.Tensor
 ) -> torch.Tensor:
     if not isinstance(optimizer.owner, DDP):
-        return distribute_tensor(value, master.device_mesh, master.placements, src_data_rank=None)
+        sharded_master = cast(DTensor, master)  # ZeRO-3's masters are its DTensor parameters
+        return distribute_tensor(
+            value, sharded_master.device_mesh, sharded_master.placements, src_data_rank=None
+        )
     return master_part(_shard_of(optimizer, master), fqn, value)
 
 
@@ -182,6 +192,11 @@ def _param_local(param: torch.Tensor, fqn: str, value: torch.Tensor) -> torch.Te
     """The parameter's local tensor's worth of ``value`` (global, or a DTensor of any layout)."""
     local = value
     if isinstance(value, DTensor):
+        if not isinstance(param, DTensor):
+            raise DataParallelConfigError(
+                f"the state of {fqn!r} is a DTensor but the parameter is a plain tensor; load a state "
+                "saved from the same kind of parameter"
+            )
         local = value.redistribute(param.device_mesh, param.placements).to_local()
     elif isinstance(param, DTensor):
         local = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()

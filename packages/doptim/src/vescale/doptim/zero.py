@@ -24,6 +24,7 @@ from torch import nn
 
 from vescale.doptim.buckets import Bucket, ParamSlot, local_tensor
 from vescale.doptim.ddp import DDP
+from vescale.doptim.errors import DataParallelConfigError
 from vescale.doptim.reduction import all_gather_flat
 
 __all__ = ["MAX_GATHERS_IN_FLIGHT", "ParamShard", "build_param_shards", "load_grads", "publish_params"]
@@ -41,6 +42,15 @@ class ParamShard:
     end: int
     master: torch.Tensor
 
+    def bucket_and_slot(self) -> tuple[Bucket, ParamSlot]:
+        """The DDP bucket and slot of the parameter (ZeRO 0-2; ZeRO-3's shards have neither)."""
+        if self.bucket is None or self.slot is None:
+            raise DataParallelConfigError(
+                f"parameter {self.fqn!r} has no DDP gradient bucket: its optimizer state is ZeRO-3's "
+                "(fully_shard), which keeps no buckets"
+            )
+        return self.bucket, self.slot
+
     @property
     def master_is_view(self) -> bool:
         """Whether stepping the master updates the parameter's storage directly."""
@@ -50,7 +60,7 @@ class ParamShard:
 def _rank_range(ddp: DDP, bucket: Bucket, slot: ParamSlot) -> tuple[int, int]:
     if ddp.zero_stage == 0:
         return 0, slot.numel
-    return slot.range_in_chunk(*bucket.chunk_range(bucket.reduction.rank))
+    return slot.range_in_chunk(*bucket.chunk_range(bucket.reduction_group.rank))
 
 
 def build_param_shards(ddp: DDP, *, master_dtype: torch.dtype | None) -> dict[int, ParamShard]:
@@ -77,14 +87,14 @@ def load_grads(ddp: DDP, shards: dict[int, ParamShard]) -> None:
         if id(shard.param) in ddp.unused_params:
             shard.master.grad = None  # no rank used it: the optimizer skips it, as on one device
             continue
-        bucket, slot = shard.bucket, shard.slot
+        bucket, slot = shard.bucket_and_slot()
         if ddp.zero_stage == 2:
-            chunk_start = bucket.chunk_range(bucket.reduction.rank)[0]
-            source = bucket.grad_chunk[
+            chunk_start = bucket.chunk_range(bucket.reduction_group.rank)[0]
+            source = bucket.reduced_chunk()[
                 slot.offset + shard.start - chunk_start : slot.offset + shard.end - chunk_start
             ]
         else:
-            source = bucket.grad_buffer[slot.offset + shard.start : slot.offset + shard.end]
+            source = bucket.reduced_buffer()[slot.offset + shard.start : slot.offset + shard.end]
         shard.master.grad = source if source.dtype == shard.master.dtype else source.to(shard.master.dtype)
 
 
@@ -96,14 +106,14 @@ MAX_GATHERS_IN_FLIGHT = 2
 
 def _start_gather(ddp: DDP, bucket: Bucket, shards: dict[int, ParamShard]) -> tuple[torch.Tensor, Any]:
     dtype = bucket.slots[0].param.dtype
-    chunk_start = bucket.chunk_range(bucket.reduction.rank)[0]
+    chunk_start = bucket.chunk_range(bucket.reduction_group.rank)[0]
     chunk = torch.zeros(bucket.chunk_numel, dtype=dtype, device=bucket.device)
     for slot in bucket.slots:
         shard = shards[id(slot.param)]
         begin = slot.offset + shard.start - chunk_start
         chunk[begin : begin + shard.end - shard.start].copy_(shard.master)
     gathered = torch.empty(bucket.padded_numel, dtype=dtype, device=chunk.device)
-    return gathered, all_gather_flat(gathered, chunk, group=bucket.reduction.group, async_op=True)
+    return gathered, all_gather_flat(gathered, chunk, group=bucket.reduction_group.group, async_op=True)
 
 
 def _finish_gather(bucket: Bucket, gathered: torch.Tensor, work: Any) -> None:

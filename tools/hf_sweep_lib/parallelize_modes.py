@@ -37,7 +37,8 @@ __all__ = [
     "reference_losses",
 ]
 
-STEPS = 8
+# VESCALE_SWEEP_STEPS=20 runs issue #18's tied-embedding acceptance (20 steps) with the same modes
+STEPS = int(os.environ.get("VESCALE_SWEEP_STEPS", "8"))
 GLOBAL_BATCH = 4
 SEQ_LEN = 8
 SAVE_AFTER = 3

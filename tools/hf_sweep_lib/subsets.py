@@ -54,4 +54,17 @@ CI_SUBSET = (
     "gpt_neox",
     "deepseek_v3",
     "bert",
+    # fixed after issue 18's first sweep: float32 noise floor of a near-zero loss (xlm), local
+    # layouts that contradict their specs (qwen3_5_text; electra under SP), boolean-mask
+    # indexing (xmod), index_add_ of a Partial source (longcat_flash, silently wrong), a zero
+    # masked_fill_ of a Partial (gemma3n_text), a strided flatten (llama4_text under SP),
+    # unfold (inkling2_text)
+    "xlm",
+    "qwen3_5_text",
+    "electra",
+    "xmod",
+    "longcat_flash",
+    "gemma3n_text",
+    "llama4_text",
+    "inkling2_text",
 )

@@ -272,6 +272,8 @@ def plan_tensor_parallel(
                 forward.setdefault(
                     f"{_module_of(name)}.input", _column_module_inputs(model, _module_of(name))
                 )
+        for key, value in _sequence_convolution_gathers(model, trace).items():
+            forward.setdefault(key, value)
     for row in rows:
         # Only (batch, sequence, hidden) outputs can be sharded on the sequence; flattened tokens are reduced.
         three_dims = trace.output_ndims.get(_module_of(row)) == 3
@@ -336,6 +338,31 @@ def _token_block_gather(trace: DataflowTrace, module_fqn: str) -> dict[str, list
         if trace.output_ndims.get(ancestor) == 3:
             return {f"{ancestor}.input": ["R"]}
     return {}
+
+
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def _sequence_convolution_gathers(model: nn.Module, trace: DataflowTrace) -> dict[str, list[str]]:
+    """Under sequence parallelism, gather the whole sequence at the input of the nearest module
+    around each convolution that takes (batch, sequence, hidden): a convolution mixes
+    neighbouring positions, which a rank holding part of the sequence does not have.
+
+    Inkling's short convolution on the residual stream (``mlp_sconv``) ran on each rank's part
+    of the sequence: its causal padding made the parts' lengths disagree on one rank only,
+    which raised while the other rank waited in the next collective.
+    """
+    gathers: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, _CONVOLUTIONS):
+            continue
+        parts = name.split(".")
+        for end in range(len(parts) - 1, 0, -1):
+            ancestor = ".".join(parts[:end])
+            if trace.output_ndims.get(ancestor) == 3:
+                gathers[f"{ancestor}.input"] = _column_module_inputs(model, ancestor)
+                break
+    return gathers
 
 
 def _column_module_inputs(model: nn.Module, module_fqn: str) -> list[str]:

@@ -28,6 +28,7 @@ from vescale.dtensor.ops import (
     masked_fill,
     scalars,
     strided_shard,
+    unfold,
     views,
 )
 from vescale.dtensor.ops.coverage import OpCoverageRecorder, OpCoverageReport, has_sharding_strategy, op_name
@@ -49,5 +50,6 @@ __all__ = [
     "op_name",
     "scalars",
     "strided_shard",
+    "unfold",
     "views",
 ]

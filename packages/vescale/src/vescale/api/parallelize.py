@@ -8,7 +8,8 @@ Order of composition (each step needs the previous one's placements):
    materialised here, each rank allocating only its tp shards (without tp: full tensors);
    with ``ep > 1`` the plan's expert entries are left out (``expert_tensor_parallel`` off) and
    the experts of every MoE block are sharded over ``ep`` (``parallelize_experts``: E/ep whole
-   experts per rank, tokens dispatched by all-to-all, the load-balancing loss of the global batch);
+   experts per rank, tokens dispatched by all-to-all, the load-balancing loss of the global batch;
+   with experts replicated over dp, the load-balancing loss is made the global batch's too);
 3. mixed precision ``"bf16"``: parameters and activations in bfloat16 (the optimizer keeps fp32
    master weights and state, step 6);
 4. activation checkpointing ``"full"`` or ``"selective"`` on every repeated block;
@@ -43,7 +44,12 @@ from vescale.api._global_batch import ParallelizedModel
 from vescale.api._recompute import checkpoint_repeated_blocks
 from vescale.api.errors import ParallelizeError, PlanMismatchError, UnsupportedPlanError, WorldSizeError
 from vescale.dmodule import DModuleError, materialize_module, parallelize_module
-from vescale.dmodule.experts import find_moe_blocks, parallelize_experts, tensor_parallel_outside_experts
+from vescale.dmodule.experts import (
+    attach_global_aux_loss,
+    find_moe_blocks,
+    parallelize_experts,
+    tensor_parallel_outside_experts,
+)
 from vescale.dmodule.sharding_plan import ShardingPlan
 from vescale.doptim import DistributedOptimizer, data_parallel
 from vescale.dpipe import PipelineError, pipeline_parallelize
@@ -231,6 +237,10 @@ def _parallel_module(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> nn.Modul
         _apply_tensor_parallel(model, mesh, sharding_plan)
     if expert_parallel:
         _apply_expert_parallel(plan, model, mesh)
+    elif plan.mesh_size("dp") > 1 and plan.pipeline is None:
+        # Experts replicated over dp: the load-balancing loss is still the global batch's (transformers
+        # computes it from each rank's own tokens, which is not the single-device loss).
+        attach_global_aux_loss(model, mesh, batch_dims=("dp",))
     if plan.mixed_precision == "bf16" and plan.data_parallel.zero_stage < 3:
         model.to(torch.bfloat16)
     if plan.activation_checkpointing != "none":

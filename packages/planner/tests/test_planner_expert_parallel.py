@@ -84,3 +84,18 @@ def test_expert_parallel_constraints():
                 "micro_batch_size": 1,
             }
         )
+
+
+def test_generate_plan_obeys_the_expert_parallel_constraint():
+    from vescale.dmodule.testing.moe_models import tiny_moe
+    from vescale.planner import generate_plan
+
+    model = tiny_moe("mixtral")
+    constraints = {"expert_parallel.size": 2, "tensor_parallel.size": 2, "sequence_length": 8}
+    plan = generate_plan(model, constraints, world_size=8)
+    assert plan.mesh == (("pp", 1), ("dp", 2), ("ep", 2), ("tp", 2)) and plan.world_size == 8
+    assert plan.global_batch_size % (plan.batch_ranks * plan.micro_batch_size) == 0
+    assert not plan.experts_split_over_tp and Plan.from_json(plan.to_json()) == plan
+    uneven = r"does not divide the 8 experts of model\.layers\.0\.mlp\.experts"
+    with pytest.raises(ConstraintError, match=uneven):
+        generate_plan(model, {"expert_parallel.size": 3}, world_size=3)

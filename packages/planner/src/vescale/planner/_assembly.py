@@ -45,7 +45,7 @@ def assemble_plan(
 
         plan = assemble_plan(model, auto, constraints, choices, estimate, 80.0, {}, 8)
     """
-    tp, pp = choices.tensor_parallel_size, choices.pipeline_parallel_size
+    tp, pp, ep = choices.tensor_parallel_size, choices.pipeline_parallel_size, choices.expert_parallel_size
     sharding_plan = None
     if tp > 1:
         # The analysis ran without sequence parallelism; with it the forward placements differ.
@@ -76,14 +76,17 @@ def assemble_plan(
     for choice, reason in explain_choices(constraints, choices, estimate, budget, per_node).items():
         reasons.setdefault(choice, reason)
     return Plan(
-        mesh=(("pp", pp), ("dp", choices.data_parallel_size), ("tp", tp)),
+        mesh=(("pp", pp), ("dp", choices.data_parallel_size), ("ep", ep), ("tp", tp)),
         data_parallel=DataParallelPlan(
             size=choices.data_parallel_size,
             zero_stage=choices.zero_stage,
             mixed_precision=choices.mixed_precision,
             deterministic=bool(constraints.data_parallel_deterministic),
         ),
-        global_batch_size=choices.num_microbatches * choices.data_parallel_size * choices.micro_batch_size,
+        global_batch_size=choices.num_microbatches
+        * choices.data_parallel_size
+        * ep
+        * choices.micro_batch_size,
         micro_batch_size=choices.micro_batch_size,
         sequence_length=choices.sequence_length,
         sharding_plan=sharding_plan,
@@ -94,4 +97,6 @@ def assemble_plan(
         memory_estimate=estimate,
         reasons=tuple(reasons.items()),
         performance=performance,
+        expert_tensor_parallel=constraints.expert_tensor_parallel,
+        capacity_factor=constraints.expert_parallel_capacity_factor,
     )

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vescale.dmodule.auto_plan import AutoShardingResult, plan_tensor_parallel
+from vescale.dmodule.experts import find_moe_blocks
 from vescale.planner._assembly import assemble_plan
 from vescale.planner._cost_planning import plan_by_cost
 from vescale.planner._meta_forward import meta_parameters
@@ -141,6 +142,7 @@ def generate_plan(
         if constraints.sequence_length
         else _default_sequence_length(model)
     )
+    _check_expert_parallel(model, constraints)
     auto = _tensor_parallel_analysis(model, world_size, constraints)
     # Activations are measured per micro-batch size; most plans need only the first profile.
     profiles = {1: profile_model(model, sequence_length, 1)}
@@ -149,6 +151,12 @@ def generate_plan(
             model, constraints, world_size, per_node, budget, sequence_length, auto, profiles
         )
         return assemble_plan(model, auto, constraints, choices, estimate, budget, reasons, per_node)
+    if (constraints.expert_parallel_size or 1) > 1:
+        raise ConstraintError(
+            "expert_parallel.size with a hardware profile: the cost model does not price the experts' "
+            "all-to-alls yet; drop the hardware constraint (the rules then plan around the ep size) or "
+            "expert_parallel.size"
+        )
     try:
         rule_choice = _rule_based_choice(
             model, constraints, world_size, per_node, budget, sequence_length, auto, profiles
@@ -168,6 +176,25 @@ def generate_plan(
         top_k=top_k,
         rule_choice=rule_choice,
     )
+
+
+def _check_expert_parallel(model: nn.Module, constraints: Constraints) -> None:
+    """Refuse an ep size the model's MoE blocks cannot split into whole experts per rank."""
+    ep = constraints.expert_parallel_size or 1
+    if ep == 1:
+        return
+    blocks = find_moe_blocks(model)
+    if not blocks:
+        raise ConstraintError(
+            f"expert_parallel.size={ep}, but {type(model).__name__} has no MoE block (fused experts "
+            "beside a router); drop expert_parallel.size"
+        )
+    uneven = [block for block in blocks if block.num_experts % ep]
+    if uneven:
+        raise ConstraintError(
+            f"expert_parallel.size={ep} does not divide the {uneven[0].num_experts} experts of "
+            f"{uneven[0].experts_fqn}; choose an ep size that divides the number of experts"
+        )
 
 
 def _check_this_machine_has(world_size: int) -> None:
@@ -194,8 +221,11 @@ def _rule_based_choice(
     profiles: dict[int, ModelProfile],
 ) -> tuple[ParallelChoices, MemoryEstimate]:
     """Megatron's rules: the first candidate in the rule order whose estimate fits the budget."""
+    # Expert parallelism (a constraint only, for now): the other sizes split what ep leaves, and the
+    # batch is split over dp x ep.
+    ep = constraints.expert_parallel_size or 1
     sizes = parallel_sizes(
-        world_size, constraints, per_node, auto.head_counts if auto else (), profiles[1].num_blocks
+        world_size // ep, constraints, per_node, auto.head_counts if auto else (), profiles[1].num_blocks
     )
     mixed_precision = constraints.mixed_precision or "fp32"
     checkpointing = (
@@ -206,7 +236,7 @@ def _rule_based_choice(
     zero_stages = [constraints.zero_stage] if constraints.zero_stage is not None else [0, 1, 2, 3]
     smallest = None
     for (tp, pp, dp), recompute, zero in itertools.product(sizes, checkpointing, zero_stages):
-        split = batches(constraints, dp, pp)
+        split = batches(constraints, dp * ep, pp)
         if split is None or (zero > 0 and dp == 1 and constraints.zero_stage is None):
             continue
         if constraints.sequence_parallel and tp == 1:
@@ -215,12 +245,13 @@ def _rule_based_choice(
             constraints.sequence_parallel if constraints.sequence_parallel is not None else tp > 1
         )
         global_batch, micro = split
-        num_microbatches = global_batch // (dp * micro)
+        num_microbatches = global_batch // (dp * ep * micro)
         schedule = constraints.pipeline_parallel_schedule or ("1f1b" if num_microbatches >= pp else "gpipe")
         choices = ParallelChoices(
             tensor_parallel_size=tp,
             pipeline_parallel_size=pp,
             data_parallel_size=dp,
+            expert_parallel_size=ep,
             sequence_parallel=sequence_parallel,
             zero_stage=zero,
             micro_batch_size=micro,

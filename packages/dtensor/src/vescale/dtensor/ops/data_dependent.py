@@ -17,7 +17,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -28,7 +28,7 @@ from vescale.dtensor.replicated_reads import read_replicated_values
 __all__ = ["mask_index_handler", "nonzero_handler"]
 
 
-def nonzero_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
+def nonzero_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     """DTensor's dispatch of ``aten.nonzero``: the whole tensor's indices, replicated.
 
     Example::
@@ -43,7 +43,7 @@ def _is_mask(index: Any) -> bool:
     return isinstance(index, DTensor) and index.dtype in (torch.bool, torch.uint8)
 
 
-def mask_index_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
+def mask_index_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     """DTensor's dispatch of ``aten.index.Tensor``: boolean mask indices become long indices.
 
     Example::
@@ -56,7 +56,8 @@ def mask_index_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
     expanded: list[Any] = []
     for index in indices:
         if _is_mask(index):
-            positions = nonzero_handler(torch.ops.aten.nonzero.default, (index,), {})
+            # The handler returns the indices tensor (a Replicate DTensor); handlers are typed object.
+            positions = cast(torch.Tensor, nonzero_handler(torch.ops.aten.nonzero.default, (index,), {}))
             expanded.extend(positions.unbind(1))
         else:
             expanded.append(index)

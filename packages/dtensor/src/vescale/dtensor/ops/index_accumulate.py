@@ -53,5 +53,5 @@ def index_add_strategies(
     return strategies
 
 
-register_sharding(aten.index_add.default)(index_add_strategies)  # type: ignore[no-untyped-call]
-register_sharding(aten.index_add_.default)(index_add_strategies)  # type: ignore[no-untyped-call]
+register_sharding(aten.index_add.default)(index_add_strategies)
+register_sharding(aten.index_add_.default)(index_add_strategies)

@@ -30,7 +30,7 @@ __all__ = ["masked_fill_handler"]
 aten = torch.ops.aten
 
 
-def _zero_fill_of_partial(args: tuple, kwargs: dict) -> bool:
+def _zero_fill_of_partial(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if kwargs or len(args) != 3:
         return False
     tensor, mask, value = args
@@ -45,7 +45,7 @@ def _zero_fill_of_partial(args: tuple, kwargs: dict) -> bool:
     return isinstance(mask, torch.Tensor)
 
 
-def masked_fill_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
+def masked_fill_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     """DTensor's dispatch of ``masked_fill(_)`` with a scalar: a zero fill of a Partial tensor
     runs on the local pieces; everything else as DTensor would.
 

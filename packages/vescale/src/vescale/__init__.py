@@ -43,13 +43,21 @@ _LAZY_ATTRIBUTES: dict[str, str] = {
 __all__ = ["COMPONENTS", "__version__", *COMPONENTS, *_LAZY_ATTRIBUTES]
 
 if TYPE_CHECKING:
-    from vescale import dcheckpoint, dmodule, doptim, dpipe, dtensor, planner  # noqa: F401
-    from vescale.api.checkpointing import load, save  # noqa: F401
-    from vescale.api.data_loader import DistributedDataLoader  # noqa: F401
-    from vescale.api.deferred import deferred_init  # noqa: F401
-    from vescale.api.parallelize import parallelize  # noqa: F401
-    from vescale.api.seed import manual_seed  # noqa: F401
-    from vescale.planner import Plan, generate_plan  # noqa: F401
+    # "X as X": re-exported for the type checker (the lazy __all__ above is built at run time).
+    from vescale import dcheckpoint as dcheckpoint
+    from vescale import dmodule as dmodule
+    from vescale import doptim as doptim
+    from vescale import dpipe as dpipe
+    from vescale import dtensor as dtensor
+    from vescale import planner as planner
+    from vescale.api.checkpointing import load as load
+    from vescale.api.checkpointing import save as save
+    from vescale.api.data_loader import DistributedDataLoader as DistributedDataLoader
+    from vescale.api.deferred import deferred_init as deferred_init
+    from vescale.api.parallelize import parallelize as parallelize
+    from vescale.api.seed import manual_seed as manual_seed
+    from vescale.planner import Plan as Plan
+    from vescale.planner import generate_plan as generate_plan
 
 
 def __getattr__(name: str) -> Any:

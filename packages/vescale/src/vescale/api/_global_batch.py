@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ from vescale.api.errors import UnsupportedPlanError
 from vescale.doptim import data_parallel_of
 from vescale.doptim.mesh_groups import mesh_dims_group
 from vescale.dpipe import loss_with_backward_done
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["ParallelizedModel"]
 
@@ -148,6 +151,7 @@ class ParallelizedModel(nn.Module):
         would append each block's keys and values to a ``transformers`` KV cache a second time,
         and selective recomputation then finds other ops than the forward ran.
         """
+        accepted: Mapping[str, inspect.Parameter]
         try:
             accepted = inspect.signature(self.module.forward).parameters
         except (TypeError, ValueError):
@@ -165,7 +169,7 @@ class ParallelizedModel(nn.Module):
         except AttributeError:
             return getattr(super().__getattr__("module"), name)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(
@@ -173,7 +177,10 @@ class ParallelizedModel(nn.Module):
     ) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def _all_reduce(self, values: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    # torch types the ReduceOp members as ReduceOp.RedOpType.
+    def _all_reduce(
+        self, values: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> torch.Tensor:
         if self._dp_group is not None:
             dist.all_reduce(values, op=op, group=self._dp_group)
         return values
@@ -223,7 +230,8 @@ class ParallelizedModel(nn.Module):
     def _forward_micro_batches(
         self, micro_batches: list[dict[str, Any]], counts: list[int], total: float
     ) -> Any:
-        outputs, weighted_sum = [], None
+        outputs: list[Any] = []
+        weighted_sum: torch.Tensor | None = None
         training = torch.is_grad_enabled()
         for index, (micro_batch, terms) in enumerate(zip(micro_batches, counts, strict=True)):
             last = index == len(micro_batches) - 1
@@ -231,10 +239,15 @@ class ParallelizedModel(nn.Module):
                 output = self._run(micro_batch)
                 weighted = _required_loss(output) * (terms / total)
                 if training:
-                    (weighted * self._dp_size).backward()
+                    # torch leaves Tensor.backward unannotated.
+                    (weighted * self._dp_size).backward()  # type: ignore[no-untyped-call]
             outputs.append(output)
             weighted = weighted.detach()
             weighted_sum = weighted if weighted_sum is None else weighted_sum + weighted
+        if weighted_sum is None:  # the batch splitter gives at least one micro-batch
+            raise UnsupportedPlanError(
+                "the batch was cut into no micro-batches; give a batch of at least one sample"
+            )
         global_loss = self._global_loss(weighted_sum)
         if training:
             anchor = torch.zeros((), requires_grad=True)
@@ -301,9 +314,10 @@ def _gradient_sync_paused(module: nn.Module) -> Iterator[None]:
         with owner.no_sync():
             yield
         return
-    # ZeRO-3: FSDP2's own switch on the root module (set by fully_shard).
-    module.set_requires_gradient_sync(False)
+    # ZeRO-3: FSDP2's own switch on the root module (fully_shard made its class an FSDPModule).
+    root = cast("FSDPModule", module)
+    root.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        module.set_requires_gradient_sync(True)
+        root.set_requires_gradient_sync(True)

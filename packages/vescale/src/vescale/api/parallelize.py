@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -167,6 +167,8 @@ def _apply_tensor_parallel(
 
 
 def _apply_pipeline(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    if plan.pipeline is None:  # called for plans with a pipeline section only
+        raise ParallelizeError("the plan has no pipeline section to apply; give it one, or mesh.pp=1")
     try:
         return pipeline_parallelize(model, mesh, plan.pipeline)
     except PipelineError as error:
@@ -299,7 +301,8 @@ def parallelize(
     if compile:
         _check_compile(plan, model)
     _check_world(plan)
-    mesh = init_mesh(**_mesh_dims(plan))
+    # The mesh dims are sizes only, never init_mesh's device_type keyword.
+    mesh = init_mesh(**cast(dict[str, Any], _mesh_dims(plan)))
     module = _parallel_module(plan, model, mesh)
     parallel_model = ParallelizedModel(
         module,
@@ -313,9 +316,11 @@ def parallelize(
     if compile:
         parallel_model.compile_module(per_block=plan.mesh_size("tp") > 1)
     optimizer = DistributedOptimizer(optimizer_fn(module)) if optimizer_fn is not None else None
-    if lr_scheduler_fn is not None and optimizer is None:
-        raise ParallelizeError("lr_scheduler_fn needs an optimizer to schedule; pass optimizer_fn too")
-    lr_scheduler = lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None
+    lr_scheduler = None
+    if lr_scheduler_fn is not None:
+        if optimizer is None:
+            raise ParallelizeError("lr_scheduler_fn needs an optimizer to schedule; pass optimizer_fn too")
+        lr_scheduler = lr_scheduler_fn(optimizer)
     data_loader = None
     if dataset is not None:
         from vescale.api.data_loader import DistributedDataLoader

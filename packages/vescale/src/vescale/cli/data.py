@@ -68,7 +68,7 @@ def read_text(path: str | None) -> bytes:
     return file.read_bytes()
 
 
-class TokenDataset(Dataset):
+class TokenDataset(Dataset[dict[str, torch.Tensor]]):
     """The ``sequence_length``-token chunks of ``tokens`` in a seeded order, as ``{"input_ids", "labels"}``.
 
     ``order`` (positions in the seeded order) keeps a part of the chunks: :func:`split_for_eval`

@@ -116,7 +116,8 @@ def _config_builder(config: Any) -> Callable[[], Any]:
     import transformers
 
     def build() -> Any:
-        return transformers.AutoModelForCausalLM.from_config(config)
+        # transformers leaves from_config unannotated.
+        return transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
 
     return build
 

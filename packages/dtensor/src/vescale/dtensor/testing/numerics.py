@@ -164,8 +164,10 @@ def innermost_module(model: nn.Module) -> nn.Module:
 
         before = full_parameters(innermost_module(parallel_model))   # "lm_head.weight", not "module.…"
     """
-    while isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
+    inner = getattr(model, "module", None)
+    while isinstance(inner, nn.Module):
+        model = inner
+        inner = getattr(model, "module", None)
     return model
 
 

@@ -19,7 +19,13 @@ import copy
 import pytest
 import torch
 
-from vescale.dmodule.testing.moe_models import batch_shard, global_batch, global_mean, tiny_moe
+from vescale.dmodule.testing.moe_models import (
+    batch_shard,
+    global_batch,
+    global_mean,
+    step_beside_reference,
+    tiny_moe,
+)
 from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.numerics import gradient_errors, relative_error
@@ -29,7 +35,7 @@ TOLERANCE = 1e-5
 
 def _parallel_step_matches_single_device(name: str, mesh_dims: dict[str, int]) -> dict[str, float]:
     from vescale.dmodule import parallelize_experts
-    from vescale.dmodule.experts import average_gradients, is_expert_parameter
+    from vescale.dmodule.experts import is_expert_parameter
 
     reference = tiny_moe(name)
     model = copy.deepcopy(reference)
@@ -43,17 +49,11 @@ def _parallel_step_matches_single_device(name: str, mesh_dims: dict[str, int]) -
     reference_experts = [p for n, p in reference.named_parameters() if ".experts." in n]
     assert sum(p.numel() for p in expert_params) == sum(p.numel() for p in reference_experts)
 
-    ids = global_batch()
     reference_sgd = torch.optim.SGD(reference.parameters(), lr=0.5)
     sgd = torch.optim.SGD(model.parameters(), lr=0.5)
     errors = {}
     for step in range(2):
-        local_ids = batch_shard(ids, mesh)
-        output = model(input_ids=local_ids, labels=local_ids)
-        output.loss.backward()
-        average_gradients(model, mesh)
-        reference_output = reference(input_ids=ids, labels=ids)
-        reference_output.loss.backward()
+        output, reference_output = step_beside_reference(model, reference, mesh)
         errors[f"loss{step}"] = relative_error(global_mean(output.loss), reference_output.loss)
         if output.get("aux_loss") is not None:
             errors[f"aux_loss{step}"] = relative_error(output.aux_loss, reference_output.aux_loss)
@@ -81,7 +81,6 @@ def test_expert_parallel_step_matches_single_device(name, mesh_dims):
 
 def _dmodule_outside_experts(name: str, mesh_dims: dict[str, int]) -> dict[str, float]:
     from vescale.dmodule import auto_sharding_plan, parallelize_experts, parallelize_module
-    from vescale.dmodule.experts import average_gradients
 
     reference = tiny_moe(name)
     model = copy.deepcopy(reference)
@@ -94,13 +93,7 @@ def _dmodule_outside_experts(name: str, mesh_dims: dict[str, int]) -> dict[str, 
         # No tensor parallelism: an empty plan makes every parameter a Replicate DTensor on the mesh.
         parallelize_module(model, mesh, {"parameter": {}}, mesh_dim="ep")
     parallelize_experts(model, mesh)
-    ids = global_batch()
-    local_ids = batch_shard(ids, mesh)
-    output = model(input_ids=local_ids, labels=local_ids)
-    output.loss.backward()
-    average_gradients(model, mesh)
-    reference_output = reference(input_ids=ids, labels=ids)
-    reference_output.loss.backward()
+    output, reference_output = step_beside_reference(model, reference, mesh)
     # The tp ranks of one ep rank hold the same loss; the global loss is the ep ranks' mean.
     loss = output.loss.full_tensor().detach().clone()
     torch.distributed.all_reduce(loss, group=mesh.get_group("ep"))

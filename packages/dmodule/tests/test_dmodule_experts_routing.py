@@ -22,7 +22,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from vescale.dmodule.testing.moe_models import batch_shard, global_batch, global_mean, tiny_moe
+from vescale.dmodule.testing.moe_models import (
+    batch_shard,
+    global_batch,
+    global_mean,
+    step_beside_reference,
+    tiny_moe,
+)
 from vescale.dtensor import init_mesh
 from vescale.dtensor.comm import FORWARD, CommCounter
 from vescale.dtensor.testing import run_on_ranks
@@ -51,7 +57,6 @@ def _routing_of(model: torch.nn.Module) -> list:
 
 def _forced_router(name: str) -> dict:
     from vescale.dmodule import parallelize_experts
-    from vescale.dmodule.experts import average_gradients
 
     reference = tiny_moe(name)
     _force_routing(reference, name)
@@ -59,13 +64,7 @@ def _forced_router(name: str) -> dict:
     mesh = init_mesh(ep=4)
     parallelize_experts(model, mesh)
     routing = _routing_of(model)
-    ids = global_batch()
-    local_ids = batch_shard(ids, mesh)
-    output = model(input_ids=local_ids, labels=local_ids)
-    output.loss.backward()
-    average_gradients(model, mesh)
-    reference_output = reference(input_ids=ids, labels=ids)
-    reference_output.loss.backward()
+    output, reference_output = step_beside_reference(model, reference, mesh)
     chosen = torch.unique(torch.cat([indices.reshape(-1) for indices in routing])).tolist()
     assert len(chosen) == 2, f"the forced router chose experts {chosen}"
     for fqn, param in model.named_parameters():

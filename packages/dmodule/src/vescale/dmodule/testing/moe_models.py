@@ -32,6 +32,7 @@ __all__ = [
     "batch_shard",
     "global_batch",
     "global_mean",
+    "step_beside_reference",
     "tiny_moe",
 ]
 
@@ -144,3 +145,32 @@ def global_mean(value: torch.Tensor) -> torch.Tensor:
     total = value.detach().clone()
     dist.all_reduce(total)
     return total / dist.get_world_size()
+
+
+def step_beside_reference(
+    model: nn.Module,
+    reference: nn.Module,
+    mesh: DeviceMesh,
+    ids: torch.Tensor | None = None,
+    *,
+    batch_dims: tuple[str, ...] | None = None,
+) -> tuple[Any, Any]:
+    """One training step's forward and backward of the parallel ``model`` on this rank's share of
+    ``ids`` (gradients averaged with ``average_gradients``) and of ``reference`` on all of ``ids``
+    (default :func:`global_batch`); returns both outputs.
+
+    Example::
+
+        output, reference_output = step_beside_reference(model, reference, mesh)
+        relative_error(global_mean(output.loss), reference_output.loss)
+    """
+    from vescale.dmodule.experts import average_gradients
+
+    ids = global_batch() if ids is None else ids
+    local_ids = batch_shard(ids, mesh) if batch_dims is None else batch_shard(ids, mesh, batch_dims)
+    output = model(input_ids=local_ids, labels=local_ids)
+    output.loss.backward()
+    average_gradients(model, mesh, batch_dims=batch_dims)
+    reference_output = reference(input_ids=ids, labels=ids)
+    reference_output.loss.backward()
+    return output, reference_output

@@ -69,7 +69,7 @@ def unfold_backward_strategies(
     ]
 
 
-def unfold_backward_handler(op_call: Any, args: tuple, kwargs: dict) -> object:
+def unfold_backward_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     """``unfold_backward`` of a gradient sharded on dims other than the windowed one, shard by shard.
 
     The op takes the input's sizes, which DTensor would pass global to every shard; here each

@@ -19,7 +19,7 @@ say() { printf '[setup] %s\n' "$*"; }
 torch_spec="torch==2.13.0"
 # The packages in dependency order (a sibling is installed before the packages that pin it).
 packages=(dtensor dmodule doptim dcheckpoint dpipe planner vescale)
-test_tools=(pytest==9.2.0 pytest-xdist==3.8.0 pytest-timeout==2.4.0 ruff==0.17.5 transformers==5.23.0
+test_tools=(pytest==9.2.0 pytest-xdist==3.8.0 pytest-timeout==2.4.0 ruff==0.17.5 mypy==2.4.1 transformers==5.23.0
     tokenizers==0.23.3 pyarrow==26.0.1 tensorboard==2.21.0)
 
 if [[ -x "$venv/bin/python" ]]; then

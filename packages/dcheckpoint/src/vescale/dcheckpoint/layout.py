@@ -177,7 +177,9 @@ class TensorLayout:
         FSDP2 shards a tensor-parallel parameter over dp *within* each tp shard: ``(dp, tp)``
         placements ``(_StridedShard(0, sf=tp), Shard(0))``, read here as ``("IS(0,tp)", "S(0)")``.
         Such an InterleavedShard, followed by exactly one later Shard of the same tensor dim on
-        a mesh dim of its interleaved size, is a plain Shard applied after that later one.
+        a mesh dim of its interleaved size, is a plain Shard applied after that later one. The
+        later one may itself be interleaved (GPT-2's fused ``c_attn`` bias ``IS(0,3)`` over tp,
+        under ZeRO-3 ``("IS(0,2)", "IS(0,3)")``): dp then cuts each tp rank's concatenated parts.
         """
         strided_after: dict[int, int] = {}
         for mesh_dim, (_, placement, dim) in enumerate(parsed):
@@ -186,7 +188,7 @@ class TensorLayout:
             later = [other for other in range(mesh_dim + 1, len(parsed)) if parsed[other][2] == dim]
             if (
                 len(later) == 1
-                and isinstance(parsed[later[0]][1], torch.distributed.tensor.Shard)
+                and isinstance(parsed[later[0]][1], torch.distributed.tensor.Shard | InterleavedShard)
                 and self.mesh_shape[later[0]] == placement.interleaved_size
             ):
                 strided_after[mesh_dim] = later[0]
@@ -210,7 +212,9 @@ class TensorLayout:
                 continue
             mesh_size, index = self.mesh_shape[mesh_dim], coordinate[mesh_dim]
             interleaved = isinstance(placement, InterleavedShard) and mesh_dim not in strided
-            if dim in sharded_by_interleaved or (interleaved and dim in sharded):
+            # a strided placement cuts the local pieces of the one applied before it, whatever they are
+            twice = dim in sharded_by_interleaved or (interleaved and dim in sharded)
+            if twice and mesh_dim not in strided:
                 raise CheckpointFormatError(
                     f"placements {self.placements} shard tensor dim {dim} twice with an "
                     "InterleavedShard among them, which checkpoints do not support; shard another dim"

@@ -335,3 +335,45 @@ def test_checkpoint_saved_at_ep4_loads_at_ep2_and_one_process_and_as_hugging_fac
     saved = torch.load(tmp_path / "saved_parameters.pt")
     for fqn, param in exported.named_parameters():
         assert torch.equal(param.detach(), saved[fqn]), fqn
+
+
+def _adamw_model(mesh: dict[str, int], zero_stage: int):
+    import vescale
+    from vescale.doptim.plan import DataParallelPlan
+    from vescale.planner import Plan
+
+    dp, ep = mesh.get("dp", 1), mesh.get("ep", 1)
+    plan = Plan(
+        mesh=mesh,
+        data_parallel=DataParallelPlan(size=dp, zero_stage=zero_stage),
+        global_batch_size=GLOBAL_BATCH,
+        micro_batch_size=GLOBAL_BATCH // (dp * ep),
+    )
+    model, optimizer, _, _ = vescale.parallelize(plan, tiny_moe("qwen3_moe"), _optimizer("adamw"))
+    return model, optimizer
+
+
+def _save_adamw_at_ep2xdp2(directory: str) -> list[float]:
+    import vescale
+
+    model, optimizer = _adamw_model({"dp": 2, "ep": 2}, 1)
+    _parallel_curve(model, optimizer, 0, SAVED_AFTER)
+    vescale.save(f"{directory}/adamw", {"model": model, "optimizer": optimizer})
+    return _parallel_curve(model, optimizer, SAVED_AFTER, CONTINUED)
+
+
+def _resume_adamw(directory: str, mesh: dict[str, int], zero_stage: int) -> list[float]:
+    import vescale
+
+    model, optimizer = _adamw_model(mesh, zero_stage)
+    vescale.load(f"{directory}/adamw", {"model": model, "optimizer": optimizer})
+    return _parallel_curve(model, optimizer, SAVED_AFTER, CONTINUED)
+
+
+def test_adamw_state_saved_at_ep2xdp2_zero1_resumes_at_ep4(tmp_path):
+    """The optimizer state (AdamW moments, ZeRO-1 chunks over dp x ep for the rest, over dp for the
+    experts) saved at ep2 x dp2 resumes at ep4 ZeRO-0 on the curve the uninterrupted run continued on."""
+    continued = run_on_ranks(_save_adamw_at_ep2xdp2, 4, (str(tmp_path),))[0]
+    resumed = run_on_ranks(_resume_adamw, 4, (str(tmp_path), {"ep": 4}, 0))[0]
+    print("AdamW continued:", continued, "resumed at ep4:", resumed)
+    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, continued, strict=True)) <= LOSS_RTOL

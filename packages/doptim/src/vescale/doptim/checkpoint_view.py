@@ -67,7 +67,9 @@ def _dp_mesh_index(ddp: DDP) -> int:
             f"the data-parallel mesh has no dim names, so its dim {ddp.mesh_dim!r} cannot be found; "
             "build the mesh with init_mesh(dp=...)"
         )
-    return names.index(ddp.mesh_dim)
+    # Over dp x ep the state is sharded over dp and kept whole over ep (each ep rank's experts are
+    # its own; the rest is the same on every ep rank and written once).
+    return names.index(ddp.mesh_dims[0])
 
 
 def _dp_sharded(shard: ParamShard, ddp: DDP, local: torch.Tensor) -> DTensor:
@@ -79,9 +81,10 @@ def _dp_sharded(shard: ParamShard, ddp: DDP, local: torch.Tensor) -> DTensor:
     dp_placement = placements[dp_index]
     if isinstance(dp_placement, Shard):
         # torch.chunk's split, as DTensor's Shard: ceil-sized pieces, the last ones short or empty.
-        chunks = list(local.chunk(ddp.dp_size, dim=dp_placement.dim))
-        chunks += [local.narrow(dp_placement.dim, 0, 0)] * (ddp.dp_size - len(chunks))
-        piece = chunks[ddp.dp_rank]
+        dp_size = ddp.device_mesh.size(dp_index)
+        chunks = list(local.chunk(dp_size, dim=dp_placement.dim))
+        chunks += [local.narrow(dp_placement.dim, 0, 0)] * (dp_size - len(chunks))
+        piece = chunks[ddp.device_mesh.get_local_rank(ddp.mesh_dims[0])]
     global_shape = param.shape
     return DTensor.from_local(
         piece.clone(),

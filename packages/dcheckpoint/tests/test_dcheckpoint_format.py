@@ -51,6 +51,12 @@ def _assert_loads_equal(directory: Path, model: SmallNet) -> None:
         assert torch.equal(saved, loaded), name
 
 
+def _assert_load_refused(directory, match: str) -> None:
+    """Loading ``directory`` into a fresh SmallNet raises CheckpointFormatError matching ``match``."""
+    with pytest.raises(CheckpointFormatError, match=match):
+        load(directory, {"model": SmallNet(), "step": 0})
+
+
 def test_shards_open_with_stock_safetensors_and_hold_the_saved_tensors(tmp_path):
     directory, model = _saved(tmp_path)
     index = read_index(directory)
@@ -105,8 +111,7 @@ def test_index_file_names_that_escape_the_directory_are_refused(tmp_path, file_n
         body["files"][0]["name"] = file_name
 
     _rewrite_index(directory, escape)
-    with pytest.raises(CheckpointFormatError, match=r"is not a plain shard file name inside the checkpoint"):
-        load(directory, {"model": SmallNet(), "step": 0})
+    _assert_load_refused(directory, r"is not a plain shard file name inside the checkpoint")
 
 
 def test_a_shard_that_is_a_link_out_of_the_directory_is_refused(tmp_path):
@@ -114,8 +119,7 @@ def test_a_shard_that_is_a_link_out_of_the_directory_is_refused(tmp_path):
     (shard,) = directory.glob("*.safetensors")
     shard.rename(tmp_path / "moved.safetensors")
     shard.symlink_to(tmp_path / "moved.safetensors")
-    with pytest.raises(CheckpointFormatError, match=rf"'{shard.name}', which lies outside"):
-        load(directory, {"model": SmallNet(), "step": 0})
+    _assert_load_refused(directory, rf"'{shard.name}', which lies outside")
 
 
 def test_forged_byte_ranges_and_shapes_are_refused(tmp_path):
@@ -127,8 +131,7 @@ def test_forged_byte_ranges_and_shapes_are_refused(tmp_path):
         chunk["byte_range"] = [chunk["byte_range"][0] + 10**6, chunk["byte_range"][1] + 10**6]
 
     _rewrite_index(directory, past_the_end)
-    with pytest.raises(CheckpointFormatError, match=r"tensor 'model/proj.weight' chunk 0: byte range"):
-        load(directory, {"model": SmallNet(), "step": 0})
+    _assert_load_refused(directory, r"tensor 'model/proj.weight' chunk 0: byte range")
 
     (directory / "index.json").write_bytes(original_index)
 
@@ -136,8 +139,7 @@ def test_forged_byte_ranges_and_shapes_are_refused(tmp_path):
         body["tensors"]["model/proj.weight"]["shape"] = [6, 6]
 
     _rewrite_index(directory, hole)
-    with pytest.raises(CheckpointFormatError, match=r"'model/proj.weight': its chunks do not tile the shape"):
-        load(directory, {"model": SmallNet(), "step": 0})
+    _assert_load_refused(directory, r"'model/proj.weight': its chunks do not tile the shape")
 
 
 def test_truncated_and_corrupted_shards_name_the_file(tmp_path):
@@ -145,8 +147,7 @@ def test_truncated_and_corrupted_shards_name_the_file(tmp_path):
     (shard,) = directory.glob("*.safetensors")
     original = shard.read_bytes()
     shard.write_bytes(original[:-3])
-    with pytest.raises(CheckpointFormatError, match=rf"'{shard.name}' has {len(original) - 3} bytes where"):
-        load(directory, {"model": SmallNet(), "step": 0})
+    _assert_load_refused(directory, rf"'{shard.name}' has {len(original) - 3} bytes where")
     corrupted = bytearray(original)
     corrupted[-1] ^= 0x40
     shard.write_bytes(bytes(corrupted))
@@ -196,5 +197,4 @@ def test_a_missing_shard_file_is_named(tmp_path):
     directory, _ = _saved(tmp_path)
     (shard,) = directory.glob("*.safetensors")
     os.remove(shard)
-    with pytest.raises(CheckpointFormatError, match=rf"'{shard.name}' is missing"):
-        load(directory, {"model": SmallNet(), "step": 0})
+    _assert_load_refused(directory, rf"'{shard.name}' is missing")

@@ -38,6 +38,23 @@ def _mesh(mesh_shape):
     return init_device_mesh(device_type_for_backend(dist.get_backend()), mesh_shape)
 
 
+def load_counting_preadv(directory, holder) -> tuple:
+    """``load`` into ``holder``, counting the bytes ``os.preadv`` reads meanwhile: (stats, bytes)."""
+    counted = {"bytes": 0}
+    original_preadv = os.preadv
+
+    def counting_preadv(descriptor, buffers, offset):
+        read = original_preadv(descriptor, buffers, offset)
+        counted["bytes"] += read
+        return read
+
+    os.preadv = counting_preadv
+    try:
+        return load(directory, {"model": holder}).stats, counted["bytes"]
+    finally:
+        os.preadv = original_preadv
+
+
 def save_on_ranks(directory, mesh_shape, placements_by_name, fulls) -> int:
     mesh = _mesh(mesh_shape)
     holder = Holder(
@@ -50,22 +67,10 @@ def load_counting_reads_on_ranks(directory, layouts, full) -> list[dict]:
     results = []
     for mesh_shape, placements in layouts:
         holder = Holder({"weight": distribute_tensor(torch.zeros_like(full), _mesh(mesh_shape), placements)})
-        counted = {"bytes": 0}
-        original_preadv = os.preadv
-
-        def counting_preadv(descriptor, buffers, offset, original_preadv=original_preadv, counted=counted):
-            read = original_preadv(descriptor, buffers, offset)
-            counted["bytes"] += read
-            return read
-
-        os.preadv = counting_preadv
-        try:
-            stats = load(directory, {"model": holder}).stats
-        finally:
-            os.preadv = original_preadv
+        stats, preadv_bytes = load_counting_preadv(directory, holder)
         results.append(
             {
-                "preadv_bytes": counted["bytes"],
+                "preadv_bytes": preadv_bytes,
                 "stats": (stats.bytes_read, stats.bytes_needed),
                 "local_bytes": holder.weight.to_local().numel() * full.element_size(),
                 "equal": torch.equal(holder.weight.full_tensor(), full),
@@ -142,21 +147,9 @@ def load_replicated_counting_reads_on_ranks(directory, mesh_shape, placements_by
             for name, full in fulls.items()
         }
     )
-    counted = {"bytes": 0}
-    original_preadv = os.preadv
-
-    def counting_preadv(descriptor, buffers, offset):
-        read = original_preadv(descriptor, buffers, offset)
-        counted["bytes"] += read
-        return read
-
-    os.preadv = counting_preadv
-    try:
-        stats = load(directory, {"model": holder}).stats
-    finally:
-        os.preadv = original_preadv
+    stats, preadv_bytes = load_counting_preadv(directory, holder)
     return {
-        "preadv_bytes": counted["bytes"],
+        "preadv_bytes": preadv_bytes,
         "stats": (stats.bytes_read, stats.bytes_received, stats.bytes_needed),
         "equal": [
             torch.equal(param.full_tensor() if name in placements_by_name else param, fulls[name])

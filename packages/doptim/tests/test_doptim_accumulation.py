@@ -102,8 +102,8 @@ def accumulation_reference() -> dict[str, torch.Tensor]:
     return snapshot(model)
 
 
-def no_sync_training(zero_stage: int) -> dict[str, torch.Tensor]:
-    rank = dist.get_rank()
+def deterministic_data_parallel(zero_stage: int) -> tuple[torch.nn.Module, DistributedOptimizer]:
+    """The model under deterministic data parallelism on dp=2 (unused parameters allowed), its optimizer."""
     model = build_model()
     data_parallel(
         model,
@@ -113,8 +113,13 @@ def no_sync_training(zero_stage: int) -> dict[str, torch.Tensor]:
         deterministic=True,
         find_unused_parameters=True,
     )
+    return model, DistributedOptimizer(make_optimizer(model.parameters()))
+
+
+def no_sync_training(zero_stage: int) -> dict[str, torch.Tensor]:
+    rank = dist.get_rank()
+    model, optimizer = deterministic_data_parallel(zero_stage)
     ddp = data_parallel_of(model)
-    optimizer = DistributedOptimizer(make_optimizer(model.parameters()))
     for step in range(STEPS):
         optimizer.zero_grad()
         with ddp.no_sync():
@@ -149,16 +154,7 @@ def unused_reference() -> dict[str, torch.Tensor]:
 
 def unused_training(zero_stage: int) -> dict[str, torch.Tensor]:
     rank = dist.get_rank()
-    model = build_model()
-    data_parallel(
-        model,
-        init_mesh(dp=DP),
-        zero_stage=zero_stage,
-        bucket_size_mb=BUCKET_MB,
-        deterministic=True,
-        find_unused_parameters=True,
-    )
-    optimizer = DistributedOptimizer(make_optimizer(model.parameters()))
+    model, optimizer = deterministic_data_parallel(zero_stage)
     for step in range(STEPS):
         optimizer.zero_grad()
         loss_of(model, step, rank, 0, use_extra=rank == 0).backward()

@@ -15,17 +15,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
+from vescale.dtensor import InterleavedShard, PlacementError, distribute_tensor, from_local, redistribute
 from vescale.dtensor.mesh import device_type_for_backend
-from vescale.dtensor.placements import (
-    InterleavedShard,
-    PlacementError,
-    distribute_tensor,
-    from_local,
-    placement_from_string,
-    placement_to_string,
-    redistribute,
-    to_vescale_placements,
-)
+from vescale.dtensor.placements import placement_from_string, placement_to_string, to_vescale_placements
 from vescale.dtensor.testing import run_on_ranks
 
 # Matmuls of float32 values of order 1 over at most 16 terms: a few ulps of the result.

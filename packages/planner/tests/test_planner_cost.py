@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 import torch
-import transformers
 
 from vescale.dmodule import plan_tensor_parallel
+from vescale.dtensor.testing.models.meta_llama import meta_llama
 from vescale.dtensor.testing.models.tiny_hf import build_tiny_hf_model
 from vescale.planner import ConstraintError, ParallelChoices, generate_plan
 from vescale.planner._collectives import all_gather_seconds, all_reduce_seconds, axis_link
@@ -21,18 +21,13 @@ H100 = load_hardware("h100-80gb")
 
 
 def _meta_llama(layers: int = 8, hidden: int = 1024, vocab: int = 32000) -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
+    return meta_llama(
         hidden_size=hidden,
-        intermediate_size=4 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=16,
-        num_key_value_heads=8,
+        vocab_size=vocab,
         max_position_embeddings=4096,
-        use_cache=False,
     )
-    with torch.device("meta"):
-        return transformers.LlamaForCausalLM(config)
 
 
 @pytest.fixture(scope="module")

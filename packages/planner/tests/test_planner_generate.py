@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from vescale.dtensor.testing import run_on_ranks
+from vescale.dtensor.testing.models.meta_llama import meta_llama
 from vescale.dtensor.testing.models.tiny_hf import build_tiny_hf_model
 from vescale.planner import ConstraintError, ParallelChoices, estimate_memory, generate_plan
 
@@ -151,26 +151,10 @@ def test_world_size_defaults_to_the_process_group_else_one():
 def test_llama_7b_and_70b_on_meta_plan_in_seconds_and_fit(
     layers, hidden, intermediate, heads, kv_heads, vocab
 ):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=vocab,
-    )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    constraints = {
-        "memory_per_device_gb": 40,
-        "devices_per_node": 8,
-        "mixed_precision": "bf16",
-        "sequence_length": 4096,
-        "global_batch_size": 64,
-        "zero.stage": 1,
-    }
+    sizes = dict(intermediate_size=intermediate, num_key_value_heads=kv_heads, vocab_size=vocab)
+    model = meta_llama(hidden, layers, heads, max_position_embeddings=2048, **sizes)  # LlamaConfig's 2048
+    constraints = {"memory_per_device_gb": 40, "devices_per_node": 8, "mixed_precision": "bf16"}
+    constraints.update({"sequence_length": 4096, "global_batch_size": 64, "zero.stage": 1})
     started = time.perf_counter()
     plan = generate_plan(model, constraints, world_size=64)
     elapsed = time.perf_counter() - started

@@ -19,6 +19,7 @@ import torch
 from vescale.dmodule import parallelize_module, plan_tensor_parallel
 from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
+from vescale.dtensor.testing.models.meta_llama import meta_llama
 from vescale.dtensor.testing.models.tiny_hf import build_tiny_hf_model, tiny_batch
 from vescale.planner import MemoryEstimate, ParallelChoices, PlanError, estimate_memory
 from vescale.planner.memory import stage_sizes
@@ -220,18 +221,9 @@ def test_tensor_and_sequence_parallel_divide_activations():
 
 
 def test_a_70b_llama_on_meta_is_estimated_in_seconds():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
+    model = meta_llama(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64
     )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
     started = time.perf_counter()
     estimate = estimate_memory(model, ParallelChoices(sequence_length=4096, mixed_precision="bf16"))
     elapsed = time.perf_counter() - started

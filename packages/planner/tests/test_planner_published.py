@@ -27,6 +27,7 @@ import torch
 import transformers
 
 from vescale.dmodule import plan_tensor_parallel
+from vescale.dtensor.testing.models.meta_llama import meta_llama
 from vescale.planner import ParallelChoices, generate_plan
 from vescale.planner._meta_forward import meta_parameters
 from vescale.planner._profile_scaling import scaled_profile
@@ -49,18 +50,12 @@ TOLERANCE = 0.2
 
 @functools.cache
 def _llama(hidden: int, intermediate: int, layers: int, heads: int) -> torch.nn.Module:
-    config = transformers.LlamaConfig(
+    return meta_llama(
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        use_cache=False,
     )
-    with torch.device("meta"):
-        return transformers.LlamaForCausalLM(config)
 
 
 @functools.cache

@@ -80,19 +80,10 @@ def reference_training(name: str) -> dict:
     config = model_config(name)
     model = transformers.AutoModelForCausalLM.from_config(config)
     optimizer = optimizer_fn(model)
-    scheduler = lr_scheduler_fn(optimizer)
-    losses, lrs, batches = [], [], []
-    for batch in torch.utils.data.DataLoader(dataset(config.vocab_size), batch_size=GLOBAL_BATCH):
-        optimizer.zero_grad()
-        lrs.append(optimizer.param_groups[0]["lr"])
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
-        batches.append(batch["input_ids"])
-    params = {fqn: param.detach().clone() for fqn, param in model.named_parameters()}
-    return {"losses": losses, "lrs": lrs, "batches": batches, "params": params}
+    loader = torch.utils.data.DataLoader(dataset(config.vocab_size), batch_size=GLOBAL_BATCH)
+    # The same plain loop as the parallel runs, on plain PyTorch objects in one process.
+    trained = _train(model, optimizer, lr_scheduler_fn(optimizer), loader, SAVE_AFTER + RESUMED)
+    return {**trained, "params": {fqn: param.detach().clone() for fqn, param in model.named_parameters()}}
 
 
 # --- functions that run on the ranks (module level: ranks look them up by name) ---

@@ -7,7 +7,7 @@ import torch
 
 from vescale.dtensor.testing.models.mlp import build_tiny_mlp, mlp_batches, mse_loss
 from vescale.dtensor.testing.numerics import assert_close_by_fqn, assert_losses_close, sgd_step_gradients
-from vescale.dtensor.testing.reference import train_reference
+from vescale.dtensor.testing.reference import assert_matches_reference, train_reference
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -46,3 +46,13 @@ def test_the_comparison_names_the_worst_fqn_and_sgd_reads_gradients_back():
     step = train_reference(build_tiny_mlp, mlp_batches(1, 8), sgd, loss_fn=mse_loss)
     read_back = sgd_step_gradients(step.initial_parameters, step.parameters, lr=1e3)
     assert assert_close_by_fqn(read_back, step.gradients[0], 1e-6) <= 1e-6
+
+
+def test_matching_merges_the_ranks_gradients_and_names_what_no_rank_returned():
+    run = train_reference(build_tiny_mlp, mlp_batches(2, 8), adamw, loss_fn=mse_loss)
+    stage_0 = {fqn: grad for fqn, grad in run.gradients[0].items() if fqn.startswith("blocks.")}
+    stage_1 = {fqn: grad for fqn, grad in run.gradients[0].items() if fqn.startswith("head.")}
+    errors = assert_matches_reference(run, [run.losses], [stage_0, stage_1], loss_rtol=0.0, grad_rtol=0.0)
+    assert errors == (0.0, 0.0)
+    with pytest.raises(AssertionError, match=r"pp: no rank returned the gradient of \['head\.bias'"):
+        assert_matches_reference(run, gradients=[stage_0], loss_rtol=0.0, grad_rtol=0.0, label="pp")

@@ -26,15 +26,8 @@ from vescale.api.parallelize import mesh_of
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
 from vescale.dtensor.testing.models.token_batches import token_batches
-from vescale.dtensor.testing.numerics import (
-    assert_close_by_fqn,
-    assert_losses_close,
-    full_parameters,
-    innermost_module,
-    max_relative_error,
-    sgd_step_gradients,
-)
-from vescale.dtensor.testing.reference import ReferenceRun, train_reference
+from vescale.dtensor.testing.numerics import full_parameters, max_relative_error, sgd_step_gradients
+from vescale.dtensor.testing.reference import ReferenceRun, assert_matches_reference, train_reference
 from vescale.planner.selective import KEPT_COMPUTE_OPS
 
 LOSS_RTOL = 1e-4
@@ -117,8 +110,7 @@ def train_dp2(
 
     model.model.layers[0].mlp.register_forward_pre_hook(record_mlp_call)
     model, optimizer, _, _ = vescale.parallelize(plan, model, make_optimizer, compile=compile_model)
-    inner = innermost_module(model)  # data parallel wraps the model (FQNs gain "module.")
-    before = full_parameters(inner)
+    before = full_parameters(model)
     mesh = mesh_of(model)
     dims = mesh.mesh_dim_names or ()
     dp_size = mesh.size(dims.index("dp")) if "dp" in dims else 1
@@ -143,7 +135,7 @@ def train_dp2(
         "mlp_calls": len(mlp_input_dtypes),
         "compute_dtypes": sorted(set(mlp_input_dtypes)),
         "matmuls": counter.count,
-        "parameters": (before, full_parameters(inner)),
+        "parameters": (before, full_parameters(model)),
     }
 
 
@@ -168,13 +160,15 @@ def train_dp2_and_gradients(constraints: dict) -> dict:
 
 def assert_trains_like_single_device(run: dict, label: str, gradients: bool = True) -> None:
     """Losses within ``LOSS_RTOL`` and (``gradients``) first-step gradients within ``GRAD_RTOL``."""
-    reference = reference_run()
-    loss_error = assert_losses_close(run["losses"], reference.losses, LOSS_RTOL)
-    message = f"{label}: max relative loss error {loss_error:.2e}"
-    if gradients:
-        worst = assert_close_by_fqn(run["gradients"], reference.gradients[0], GRAD_RTOL, f"{label} gradient")
-        message += f", first-step gradient {worst:.2e}"
-    print(message)
+    loss_error, gradient_error = assert_matches_reference(
+        reference_run(),
+        [run["losses"]],
+        [run["gradients"]] if gradients else [],
+        loss_rtol=LOSS_RTOL,
+        grad_rtol=GRAD_RTOL,
+        label=label,
+    )
+    print(f"{label}: max relative loss error {loss_error:.2e}, first-step gradient {gradient_error:.2e}")
 
 
 # Selective recomputation keeps every matmul and attention output (vescale.planner.selective), so
@@ -235,7 +229,7 @@ def test_bf16_plan_keeps_fp32_masters_and_trains_like_fp32_within_bf16_rounding(
     assert max_relative_error(reference_run(frozen_fn).losses, reference) > 10 * BF16_LOSS_RTOL
     constraints = {"mixed_precision": "bf16", "zero.stage": zero_stage}
     for result in run_on_ranks(train_dp2, world_size=2, args=(constraints, False), timeout_s=300):
-        error = assert_losses_close(result["losses"], reference, BF16_LOSS_RTOL)
+        error, _ = assert_matches_reference(reference_run(), [result["losses"]], loss_rtol=BF16_LOSS_RTOL)
         print(f"bf16 ZeRO-{zero_stage} max relative loss error {error:.2e}")
         assert result["param_dtypes"] == [param_dtype]
         assert result["master_dtypes"] == ["torch.float32"]

@@ -23,14 +23,8 @@ from vescale.api.errors import UnsupportedPlanError
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
 from vescale.dtensor.testing.models.token_batches import token_batches
-from vescale.dtensor.testing.numerics import (
-    assert_close_by_fqn,
-    assert_losses_close,
-    full_parameters,
-    innermost_module,
-    sgd_step_gradients,
-)
-from vescale.dtensor.testing.reference import ReferenceRun, train_reference
+from vescale.dtensor.testing.numerics import full_parameters, sgd_step_gradients
+from vescale.dtensor.testing.reference import ReferenceRun, assert_matches_reference, train_reference
 
 LOSS_RTOL = 1e-4
 # First-step gradients, worst FQN over every rank's stages, measured: 2.5e-7 (pp2 GPT-2) to
@@ -76,8 +70,7 @@ def rfc_script(
     model = vescale.deferred_init(transformers.AutoModelForCausalLM.from_config, config)
     plan = vescale.generate_plan(model, constraints)
     model, optimizer, _, _ = vescale.parallelize(plan, model, make_optimizer)
-    inner = innermost_module(model)  # the pipeline's wrappers: FQNs gain "module.module."
-    before = full_parameters(inner)
+    before = full_parameters(model)  # this rank's stages, by the single-device FQNs
     losses = []
     for batch in token_batches(config.vocab_size, steps, GLOBAL_BATCH, SEQ_LEN):
         optimizer.zero_grad()
@@ -85,7 +78,7 @@ def rfc_script(
         loss.backward()  # a no-op: the schedule ran backward
         optimizer.step()
         losses.append(loss.item())
-    return losses, plan.mesh, (before, full_parameters(inner))
+    return losses, plan.mesh, (before, full_parameters(model))
 
 
 def rfc_script_runs(model_name: str, constraints: dict, steps: int) -> dict:
@@ -97,16 +90,11 @@ def rfc_script_runs(model_name: str, constraints: dict, steps: int) -> dict:
 
 def assert_trains_like_single_device(runs: list[dict], reference: ReferenceRun, label: str) -> None:
     """Every rank's losses within ``LOSS_RTOL``; the ranks' gradients together within ``GRAD_RTOL``."""
-    expected = dict(reference.gradients[0])
-    if "transformer.wte.weight" in expected:  # GPT-2: the last stage holds the tied head
-        expected["lm_head.weight"] = expected["transformer.wte.weight"]
-    gradients, loss_error = {}, 0.0
-    for run in runs:
-        loss_error = max(loss_error, assert_losses_close(run["losses"], reference.losses, LOSS_RTOL))
-        gradients.update(run["gradients"])
-    assert set(gradients) >= set(reference.gradients[0]), "a parameter is held by no rank"
-    worst = assert_close_by_fqn(gradients, {fqn: expected[fqn] for fqn in gradients}, GRAD_RTOL, label)
-    print(f"{label}: max relative loss error {loss_error:.2e}, first-step gradient {worst:.2e}")
+    losses, gradients = [run["losses"] for run in runs], [run["gradients"] for run in runs]
+    errors = assert_matches_reference(
+        reference, losses, gradients, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL, label=label
+    )
+    print(f"{label}: max relative loss error {errors[0]:.2e}, first-step gradient {errors[1]:.2e}")
 
 
 def pipeline_runs() -> tuple[dict, str]:

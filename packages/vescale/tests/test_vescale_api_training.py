@@ -37,15 +37,13 @@ import transformers
 import vescale
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
-from vescale.dtensor.testing.numerics import (
-    assert_close_by_fqn,
-    assert_losses_close,
-    full_parameters,
-    innermost_module,
-    max_relative_error,
-    sgd_step_gradients,
+from vescale.dtensor.testing.numerics import full_parameters, max_relative_error, sgd_step_gradients
+from vescale.dtensor.testing.reference import (
+    ReferenceRun,
+    assert_matches_reference,
+    model_loss,
+    train_reference,
 )
-from vescale.dtensor.testing.reference import ReferenceRun, model_loss, train_reference
 
 LOSS_RTOL = 1e-4
 # First-step gradients, worst FQN over every parameter, measured on the 12 (model, plan) runs:
@@ -123,8 +121,7 @@ def rfc_script(model_name: str, plan_name: str, make_optimizer, steps: int) -> t
     plan = vescale.generate_plan(model, constraints)
     dataset = build_dataset(config.vocab_size)[: steps * GLOBAL_BATCH]
     model, optimizer, _, data_loader = vescale.parallelize(plan, model, make_optimizer, None, dataset)
-    inner = innermost_module(model)  # data parallel wraps the model (FQNs gain "module.")
-    before = full_parameters(inner)
+    before = full_parameters(model)
     losses = []
     for batch in data_loader:
         optimizer.zero_grad()
@@ -132,7 +129,7 @@ def rfc_script(model_name: str, plan_name: str, make_optimizer, steps: int) -> t
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return losses, dict(plan.mesh), (before, full_parameters(inner))
+    return losses, dict(plan.mesh), (before, full_parameters(model))
 
 
 def rfc_script_runs(model_name: str, plan_names: list[str]) -> dict[str, dict]:
@@ -163,9 +160,13 @@ def test_rfc_script_on_4_ranks_matches_single_device_losses_and_gradients(model_
         assert sorted(per_plan) == sorted(plan_names)
         for plan_name, run in per_plan.items():
             label = f"{model_name} {plan_name} {run['mesh']} rank {rank}"
-            loss_error = assert_losses_close(run["losses"], reference.losses, LOSS_RTOL)
-            gradient_error = assert_close_by_fqn(
-                run["gradients"], reference.gradients[0], GRAD_RTOL, f"{label}: first-step gradient"
+            loss_error, gradient_error = assert_matches_reference(
+                reference,
+                [run["losses"]],
+                [run["gradients"]],
+                loss_rtol=LOSS_RTOL,
+                grad_rtol=GRAD_RTOL,
+                label=label,
             )
             if rank == 0:
                 print(

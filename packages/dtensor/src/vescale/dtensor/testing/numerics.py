@@ -172,13 +172,15 @@ def innermost_module(model: nn.Module) -> nn.Module:
 
 
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``{fqn: full value}`` of every parameter (DTensors gathered: every rank must call it).
+    """``{fqn: full value}`` of every parameter (DTensors gathered: every rank must call it), by
+    the FQNs of the model inside its wrappers (:func:`innermost_module`).
 
     Example::
 
         before = full_parameters(model); optimizer.step(); after = full_parameters(model)
     """
-    return {name: full_value(parameter).clone() for name, parameter in model.named_parameters()}
+    inner = innermost_module(model)
+    return {name: full_value(parameter).clone() for name, parameter in inner.named_parameters()}
 
 
 def sgd_step_gradients(

@@ -22,14 +22,23 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["ReferenceRun", "micro_batch", "model_loss", "optimizer_state_by_fqn", "train_reference"]
+from vescale.dtensor.testing.numerics import assert_close_by_fqn, assert_losses_close
+
+__all__ = [
+    "ReferenceRun",
+    "assert_matches_reference",
+    "micro_batch",
+    "model_loss",
+    "optimizer_state_by_fqn",
+    "train_reference",
+]
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,20 @@ class ReferenceRun:
     grad_norms: list[float]
     initial_parameters: dict[str, torch.Tensor]
     parameters: dict[str, torch.Tensor]
+    # Second names of tied parameters (``lm_head.weight`` of a tied GPT-2) -> the recorded FQN.
+    tied: dict[str, str] = field(default_factory=dict)
+
+    def first_gradients(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """The first step's gradients by FQN, for ``names`` (tied second names included) or all.
+
+        Example::
+
+            expected = reference.first_gradients(["lm_head.weight"])   # wte's, on a tied GPT-2
+        """
+        gradients = self.gradients[0]
+        return {
+            name: gradients[self.tied.get(name, name)] for name in (gradients if names is None else names)
+        }
 
 
 def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -87,6 +110,50 @@ def optimizer_state_by_fqn(
                 for key, value in state.items()
             }
     return states
+
+
+def _tied_names(model: nn.Module) -> dict[str, str]:
+    first: dict[int, str] = {}
+    tied = {}
+    for fqn, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in first:
+            tied[fqn] = first[id(parameter)]
+        else:
+            first[id(parameter)] = fqn
+    return tied
+
+
+def assert_matches_reference(
+    reference: ReferenceRun,
+    losses: Sequence[Sequence[float]] = (),
+    gradients: Sequence[Mapping[str, torch.Tensor]] = (),
+    *,
+    loss_rtol: float,
+    grad_rtol: float | None = None,
+    label: str = "",
+) -> tuple[float, float]:
+    """Fail unless every run's losses and the first-step gradients match ``reference``; return both worst.
+
+    ``losses`` holds one list per rank (or run); ``gradients`` one ``{fqn: gradient}`` per rank,
+    merged: together they must cover every parameter (pipeline ranks hold different stages).
+    The messages name the worst step or FQN (:func:`~vescale.dtensor.testing.numerics.assert_close_by_fqn`).
+
+    Example::
+
+        errors = assert_matches_reference(reference, losses, gradients, loss_rtol=1e-4, grad_rtol=1e-5)
+    """
+    loss_error = max((assert_losses_close(run, reference.losses, loss_rtol) for run in losses), default=0.0)
+    if not gradients:
+        return loss_error, 0.0
+    merged: dict[str, torch.Tensor] = {}
+    for rank_gradients in gradients:
+        merged.update(rank_gradients)
+    missing = sorted(set(reference.gradients[0]) - {reference.tied.get(name, name) for name in merged})
+    if missing:
+        raise AssertionError(f"{label}: no rank returned the gradient of {missing[:5]} ({len(missing)} FQNs)")
+    what = f"{label} first-step gradient".strip()
+    grad_error = assert_close_by_fqn(merged, reference.first_gradients(merged), grad_rtol or 0.0, what)
+    return loss_error, grad_error
 
 
 def train_reference(
@@ -146,6 +213,6 @@ def train_reference(
             losses.append((torch.stack(micro_losses).sum() / micro_batches).item())
             states.append(optimizer_state_by_fqn(model, optimizer))
         parameters = {fqn: p.detach().clone() for fqn, p in model.named_parameters()}
-        return ReferenceRun(losses, gradients, states, norms, initial, parameters)
+        return ReferenceRun(losses, gradients, states, norms, initial, parameters, _tied_names(model))
     finally:
         torch.set_num_threads(threads)

@@ -99,3 +99,22 @@ def test_generate_plan_obeys_the_expert_parallel_constraint():
     uneven = r"does not divide the 8 experts of model\.layers\.0\.mlp\.experts"
     with pytest.raises(ConstraintError, match=uneven):
         generate_plan(model, {"expert_parallel.size": 3}, world_size=3)
+
+
+def test_the_memory_estimate_counts_e_over_ep_experts():
+    from vescale.dmodule.testing.moe_models import tiny_moe
+    from vescale.planner.memory import ParallelChoices, estimate_memory
+
+    model = tiny_moe("mixtral")
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    replicated = estimate_memory(model, ParallelChoices(data_parallel_size=4, sequence_length=8))
+    sharded = estimate_memory(model, ParallelChoices(expert_parallel_size=4, sequence_length=8))
+    # fp32 parameters: all of them, or the rest plus a quarter of the experts.
+    assert replicated.parameters == 4 * total
+    assert sharded.parameters == 4 * (total - experts + experts // 4)
+    zero1 = estimate_memory(
+        model, ParallelChoices(data_parallel_size=2, expert_parallel_size=2, zero_stage=1, sequence_length=8)
+    )
+    # AdamW's two fp32 moments: the rest over dp x ep = 4, the experts (1/2 per rank) over dp = 2.
+    assert zero1.optimizer_states == int(8 * ((total - experts) / 4 + experts / 2 / 2))

@@ -30,6 +30,11 @@ pipeline stage holds for a :class:`ParallelChoices` (all sizes in bytes), and
   then kept once more reduced (divided by ``tp`` under sequence parallelism); one block's
   other activations exist again while it is recomputed, as under ``"full"``.
 
+Under expert parallelism (``expert_parallel_size = ep > 1``) each rank holds E/ep of every
+experts module's parameters (tensor parallelism stays outside them), and ZeRO divides the rest
+by dp x ep (the batch ranks) and the experts by dp; the all-to-all send and receive buffers are
+not counted yet.
+
 The :class:`MemoryEstimate` gives each part as held at the peak moment, and the short-lived
 buffers there (``temporaries``); ``total`` is the peak.
 
@@ -126,6 +131,8 @@ class MemoryEstimate:
 
 
 # Plan -> (its regex answers by FQN): a search asks the same questions thousands of times.
+# transformers' fused experts: 3-D weights (and their biases) of a module named "experts".
+_EXPERT_PARAMETER = re.compile(r"(^|\.)experts\.(gate_up_proj|up_proj|down_proj)(_bias)?$")
 _PLAN_ANSWERS: dict[int, tuple[ShardingPlan, dict[str, bool], dict[str, bool]]] = {}
 
 
@@ -194,8 +201,10 @@ def _selective_block_bytes(profile: ModelProfile, choices: ParallelChoices) -> d
     return kept
 
 
-def _stage_sizes(profile: ModelProfile, choices: ParallelChoices, side: str) -> StageSizes:
-    """What one device of the pipeline stage on ``side`` holds before ZeRO divides it."""
+def _stage_sizes(profile: ModelProfile, choices: ParallelChoices, side: str) -> tuple[StageSizes, float]:
+    """What one device of the pipeline stage on ``side`` holds before ZeRO divides it, and the one
+    divisor ZeRO divides its parameters by (dp; under expert parallelism the mix of dp x ep for the
+    rest and dp for the experts)."""
     tp, pp, dp, zero = (
         choices.tensor_parallel_size,
         choices.pipeline_parallel_size,
@@ -208,7 +217,8 @@ def _stage_sizes(profile: ModelProfile, choices: ParallelChoices, side: str) -> 
     # The first stage holds the first blocks, the last stage the last ones.
     first_block = profile.num_blocks - blocks_per_stage if side == "last" else 0
     stage_blocks = range(first_block, first_block + blocks_per_stage)
-    elements, outside_elements, head_elements, largest = 0.0, 0.0, 0.0, 0.0
+    ep = choices.expert_parallel_size
+    elements, outside_elements, head_elements, largest, expert_elements = 0.0, 0.0, 0.0, 0.0, 0.0
     block_elements: dict[int, float] = {}
     for record in profile.parameters:
         on_stage = record.block in stage_blocks
@@ -223,7 +233,12 @@ def _stage_sizes(profile: ModelProfile, choices: ParallelChoices, side: str) -> 
         sharded = (
             choices.sharding_plan is not None and tp > 1 and _tp_sharded(choices.sharding_plan, record.fqn)
         )
-        local = record.numel / (tp if sharded else 1)
+        if ep > 1 and _EXPERT_PARAMETER.search(record.fqn):
+            # Expert parallelism: E/ep whole experts per rank (tensor parallelism stays outside them).
+            local = record.numel / ep
+            expert_elements += local
+        else:
+            local = record.numel / (tp if sharded else 1)
         elements += local
         largest = max(largest, local)
         if record.block is None:
@@ -262,18 +277,31 @@ def _stage_sizes(profile: ModelProfile, choices: ParallelChoices, side: str) -> 
     if pp > 1 and side == "first":
         gpipe = choices.schedule == "gpipe"
         in_flight = choices.num_microbatches if gpipe else min(choices.num_microbatches, pp)
-    return StageSizes(
+    divisor = (
+        dp if ep == 1 or not elements else elements / _zero_elements(elements, expert_elements, dp, ep, True)
+    )
+    sizes = StageSizes(
         parameters=elements * parameter_bytes,
         outside_parameters=outside_elements * parameter_bytes,
         head_parameters=head_elements * parameter_bytes,
         largest_block_parameters=max(block_elements.values(), default=0.0) * parameter_bytes,
         largest_parameter=largest * 4,  # the optimizer steps fp32 tensors (masters in bf16)
-        optimizer_states=elements * (8 + (4 if bf16 else 0)) / (dp if zero >= 1 else 1),
+        optimizer_states=_zero_elements(elements, expert_elements, dp, ep, zero >= 1)
+        * (8 + (4 if bf16 else 0)),
         activations=in_flight * stage_activations,
         last_activations=in_flight * last,
         loss_gradients=2 * largest_output,
         recompute=recompute,
     )
+    return sizes, divisor
+
+
+def _zero_elements(elements: float, expert_elements: float, dp: int, ep: int, sharded: bool) -> float:
+    """Elements per rank of a ZeRO-sharded part: the rest over dp x ep, the experts (E/ep already)
+    over dp; unsharded, all of them."""
+    if not sharded:
+        return elements
+    return (elements - expert_elements) / (dp * ep) + expert_elements / dp
 
 
 def stage_sizes(profile: ModelProfile, choices: ParallelChoices) -> list[StageSizes]:
@@ -283,6 +311,10 @@ def stage_sizes(profile: ModelProfile, choices: ParallelChoices) -> list[StageSi
 
         forward_activations = max(sizes.activations for sizes in stage_sizes(profile, choices))
     """
+    return [sizes for sizes, _ in _sizes_and_divisors(profile, choices)]
+
+
+def _sizes_and_divisors(profile: ModelProfile, choices: ParallelChoices) -> list[tuple[StageSizes, float]]:
     taken = (profile.micro_batch_size, profile.sequence_length)
     if (choices.micro_batch_size, choices.sequence_length) != taken:
         raise PlanError(
@@ -308,10 +340,8 @@ def estimate_from_profile(profile: ModelProfile, choices: ParallelChoices) -> Me
         estimate_from_profile(profile, ParallelChoices(sequence_length=512)).total
     """
     best: MemoryEstimate | None = None
-    for sizes in stage_sizes(profile, choices):
-        moments = peak_moments(
-            sizes, choices.data_parallel_size, choices.zero_stage, num_microbatches=choices.num_microbatches
-        )
+    for sizes, divisor in _sizes_and_divisors(profile, choices):
+        moments = peak_moments(sizes, divisor, choices.zero_stage, num_microbatches=choices.num_microbatches)
         estimate = MemoryEstimate(*(int(part) for part in max(moments.values(), key=sum)))
         if best is None or estimate.total > best.total:
             best = estimate

@@ -74,13 +74,16 @@ class StageSizes:
 
 def peak_moments(
     sizes: StageSizes,
-    data_parallel_size: int,
+    data_parallel_size: float,
     zero_stage: int,
     *,
     num_microbatches: int = 1,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> dict[str, tuple[float, float, float, float, float]]:
     """``{moment: (parameters, gradients, optimizer_states, activations, temporaries)}`` (module docstring).
+
+    ``data_parallel_size`` is what ZeRO divides the parameters by: the dp size, or under expert
+    parallelism an equivalent non-integer divisor (:mod:`vescale.planner.memory`).
 
     Example::
 

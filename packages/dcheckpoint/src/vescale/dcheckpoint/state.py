@@ -1,6 +1,8 @@
 """A user's state dict as named tensors plus JSON, and back into the live objects.
 
-``"model"`` (any ``nn.Module``) contributes ``model/<fqn>`` for every state-dict tensor;
+``"model"`` (any ``nn.Module``) contributes ``model/<fqn>`` for every state-dict tensor, a tied
+tensor (GPT-2's ``transformer.wte.weight`` and ``lm_head.weight``) once under its first name with
+the other names recorded as its aliases (``{"aliases": {alias: name}}``);
 ``"optimizer"`` its per-FQN state (see :mod:`optimizer_state`); ``"rng"`` (an
 :class:`RNGState`) every rank's generators; anything with ``state_dict``/``load_state_dict``
 (``"lr_scheduler"``, ``"data_loader"``) its state dict; anything else must be JSON-able
@@ -72,9 +74,11 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], di
     for key, value in state.items():
         kind = _kind(key, value)
         if kind == MODULE:
+            aliases = tied_aliases(value)
             for fqn, tensor in value.state_dict().items():
-                tensors[f"{key}/{fqn}"] = tensor
-            encoded = None
+                if fqn not in aliases:
+                    tensors[f"{key}/{fqn}"] = tensor
+            encoded = {"aliases": aliases} if aliases else None
         elif kind == OPTIMIZER:
             encoded = encode_optimizer(value, _model_for(state, key), tensors, key)
         elif kind == RNG:
@@ -85,6 +89,47 @@ def flatten_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], di
             encoded = encode_object(value, key, tensors)
         objects[key] = {"kind": kind, "value": encoded}
     return tensors, objects
+
+
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """``{alias: name}`` for each parameter or buffer the module holds under several names.
+
+    The first name in ``state_dict`` order keeps the tensor; later ones are its aliases.
+
+    Example::
+
+        tied_aliases(gpt2)   # {"lm_head.weight": "transformer.wte.weight"}
+    """
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    for fqn, tensor in named:
+        if tensor is None:
+            continue
+        name = first.setdefault(id(tensor), fqn)
+        if name != fqn:
+            aliases[fqn] = name
+    return aliases
+
+
+def _saved_aliases(key: str, index: CheckpointIndex) -> dict[str, str]:
+    entry = index.objects.get(key)
+    value = entry.get("value") if isinstance(entry, dict) else None
+    aliases = value.get("aliases") if isinstance(value, dict) else None
+    if aliases is None:
+        return {}
+    if not isinstance(aliases, dict) or not all(
+        isinstance(alias, str) and isinstance(name, str) and f"{key}/{name}" in index.tensors
+        for alias, name in aliases.items()
+    ):
+        raise CheckpointFormatError(f"{key!r}: its tied-tensor aliases {aliases!r} name no saved tensor")
+    return {f"{key}/{alias}": f"{key}/{name}" for alias, name in aliases.items()}
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    local_a = a.to_local() if isinstance(a, torch.distributed.tensor.DTensor) else a
+    local_b = b.to_local() if isinstance(b, torch.distributed.tensor.DTensor) else b
+    return local_a.untyped_storage().data_ptr() == local_b.untyped_storage().data_ptr()
 
 
 def merge_objects(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -180,16 +225,30 @@ class StateRestore:
 
 def _restore_module(key: str, module: nn.Module, index: CheckpointIndex, restore: StateRestore) -> None:
     live = {f"{key}/{fqn}": tensor for fqn, tensor in module.state_dict().items()}
-    saved = {name for name in index.tensors if name.startswith(f"{key}/")}
+    aliases = _saved_aliases(key, index)
+    saved = {name for name in index.tensors if name.startswith(f"{key}/")} | set(aliases)
     restore.usage[key] = _KeyUsage(MODULE, saved, set(live) & saved, set(live) - saved)
-    for name in sorted(set(live) & saved):
-        record, tensor = index.tensors[name], live[name]
+    for name in sorted(set(live) & saved, key=lambda name: name in aliases):  # saved names first
+        source = aliases.get(name, name)
+        record, tensor = index.tensors[source], live[name]
         if record.shape != tuple(tensor.shape) or record.dtype != tensor.dtype:
             raise CheckpointMismatchError(
                 f"{name!r}: the checkpoint holds {record.dtype} of shape {record.shape}, the model has "
                 f"{tensor.dtype} of shape {tuple(tensor.shape)}; build the model with the saved configuration"
             )
-        restore.targets[name] = tensor
+        target = restore.targets.get(source)
+        if target is None:
+            restore.targets[source] = tensor
+        elif not _same_memory(target, tensor):  # tied when saved, not in this model: a copy each
+            restore.finishers.append(_copier(tensor, target))
+
+
+def _copier(tensor: torch.Tensor, source: torch.Tensor) -> Callable[[], None]:
+    def copy() -> None:
+        with torch.no_grad():
+            tensor.copy_(source)
+
+    return copy
 
 
 def _plain_targets(key: str, index: CheckpointIndex) -> dict[str, torch.Tensor]:

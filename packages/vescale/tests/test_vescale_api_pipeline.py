@@ -24,7 +24,12 @@ from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
 from vescale.dtensor.testing.models.token_batches import token_batches
 from vescale.dtensor.testing.numerics import full_parameters, sgd_step_gradients
-from vescale.dtensor.testing.reference import ReferenceRun, assert_matches_reference, train_reference
+from vescale.dtensor.testing.reference import (
+    ReferenceRun,
+    assert_matches_reference,
+    train_reference,
+    train_steps,
+)
 
 LOSS_RTOL = 1e-4
 # First-step gradients, worst FQN over every rank's stages, measured: 2.5e-7 (pp2 GPT-2) to
@@ -71,13 +76,8 @@ def rfc_script(
     plan = vescale.generate_plan(model, constraints)
     model, optimizer, _, _ = vescale.parallelize(plan, model, make_optimizer)
     before = full_parameters(model)  # this rank's stages, by the single-device FQNs
-    losses = []
-    for batch in token_batches(config.vocab_size, steps, GLOBAL_BATCH, SEQ_LEN):
-        optimizer.zero_grad()
-        loss = model(**batch).loss
-        loss.backward()  # a no-op: the schedule ran backward
-        optimizer.step()
-        losses.append(loss.item())
+    # The user's plain loop; under a pipeline its loss.backward() is a no-op (the schedule ran it).
+    losses = train_steps(model, optimizer, token_batches(config.vocab_size, steps, GLOBAL_BATCH, SEQ_LEN))
     return losses, plan.mesh, (before, full_parameters(model))
 
 

@@ -43,6 +43,7 @@ from vescale.dtensor.testing.reference import (
     assert_matches_reference,
     model_loss,
     train_reference,
+    train_steps,
 )
 
 LOSS_RTOL = 1e-4
@@ -122,13 +123,7 @@ def rfc_script(model_name: str, plan_name: str, make_optimizer, steps: int) -> t
     dataset = build_dataset(config.vocab_size)[: steps * GLOBAL_BATCH]
     model, optimizer, _, data_loader = vescale.parallelize(plan, model, make_optimizer, None, dataset)
     before = full_parameters(model)
-    losses = []
-    for batch in data_loader:
-        optimizer.zero_grad()
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train_steps(model, optimizer, data_loader)
     return losses, dict(plan.mesh), (before, full_parameters(model))
 
 

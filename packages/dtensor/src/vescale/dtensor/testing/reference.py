@@ -38,6 +38,7 @@ __all__ = [
     "model_loss",
     "optimizer_state_by_fqn",
     "train_reference",
+    "train_steps",
 ]
 
 
@@ -154,6 +155,28 @@ def assert_matches_reference(
     what = f"{label} first-step gradient".strip()
     grad_error = assert_close_by_fqn(merged, reference.first_gradients(merged), grad_rtol or 0.0, what)
     return loss_error, grad_error
+
+
+def train_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterable[Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] = model_loss,
+) -> list[float]:
+    """The plain loop a user writes (zero_grad, loss, backward, step) over ``batches``; each step's loss.
+
+    Example::
+
+        losses = train_steps(parallel_model, optimizer, data_loader)
+    """
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
 
 
 def train_reference(

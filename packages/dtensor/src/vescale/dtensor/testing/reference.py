@@ -173,7 +173,7 @@ def train_steps(
     for batch in batches:
         optimizer.zero_grad()
         loss = loss_fn(model, batch)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         optimizer.step()
         losses.append(loss.item())
     return losses

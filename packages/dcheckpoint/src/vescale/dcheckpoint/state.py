@@ -228,7 +228,7 @@ def _restore_module(key: str, module: nn.Module, index: CheckpointIndex, restore
     aliases = _saved_aliases(key, index)
     saved = {name for name in index.tensors if name.startswith(f"{key}/")} | set(aliases)
     restore.usage[key] = _KeyUsage(MODULE, saved, set(live) & saved, set(live) - saved)
-    for name in sorted(set(live) & saved, key=lambda name: name in aliases):  # saved names first
+    for name in sorted(set(live) & saved, key=lambda name: (name in aliases, name)):  # saved names first
         source = aliases.get(name, name)
         record, tensor = index.tensors[source], live[name]
         if record.shape != tuple(tensor.shape) or record.dtype != tensor.dtype:

@@ -5,8 +5,11 @@ forever, and torchrun's agent sees nothing wrong. :class:`StepWatchdog` is re-ar
 step; when a step takes longer than the timeout, a watchdog thread prints which rank and step
 stalled, dumps every thread's Python stack (``faulthandler``) and exits with
 :data:`TIMEOUT_EXIT_CODE`, so the agent stops the other ranks and restarts the group
-(``--max-restarts``). The collectives release the GIL while they wait, so the thread runs; a
-``faulthandler`` timer a little later, in C, covers a rank stuck with the GIL held.
+(``--max-restarts``). The live ranks of a group stall at different steps, so the first
+watchdog to fire usually ends the attempt: the peers' pending collectives then fail, and each
+prints its traceback (where it was) instead of this message. The collectives release the GIL
+while they wait, so the thread runs; a ``faulthandler`` timer a little later, in C, covers a
+rank stuck with the GIL held.
 
 A rank that cannot run at all (stopped with SIGSTOP, or stuck with the GIL held when its peers
 give up first) cannot print its own stack: :func:`register_stack_dump` makes

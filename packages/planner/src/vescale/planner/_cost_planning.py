@@ -3,8 +3,8 @@ the runners-up and the rule-based choice's predicted time beside it.
 
 Example::
 
-    plan = plan_by_cost(model, constraints, world_size=1024, hardware=h100, per_node=8,
-                        budget_gib=80.0, sequence_length=8192, auto=auto, reasons={}, top_k=5)
+    cluster = Cluster(h100, world_size=1024, per_node=8, budget_gib=80.0)
+    plan = plan_by_cost(model, profile, constraints, cluster, auto=auto, reasons={}, top_k=5)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from vescale.planner.memory import ParallelChoices
 from vescale.planner.performance import Performance, RunnerUp
 from vescale.planner.plan import Plan
 from vescale.planner.profile import ModelProfile, find_repeated_blocks
-from vescale.planner.search import Candidate, search_plans, seconds_per_sample
+from vescale.planner.search import Candidate, Cluster, search_plans, seconds_per_sample
 
 __all__ = ["performance_of", "plan_by_cost"]
 
@@ -93,11 +93,8 @@ def plan_by_cost(
     model: nn.Module,
     profile: ModelProfile,
     constraints: Constraints,
+    cluster: Cluster,
     *,
-    world_size: int,
-    hardware: HardwareProfile,
-    per_node: int,
-    budget_gib: float,
     auto: AutoShardingResult | None,
     reasons: dict[str, str],
     top_k: int = 5,
@@ -109,18 +106,16 @@ def plan_by_cost(
 
     Example::
 
-        plan = plan_by_cost(model, profile, Constraints(), world_size=8, hardware=h100, per_node=8,
-                            budget_gib=80.0, auto=auto, reasons={})
+        cluster = Cluster(h100, world_size=8, per_node=8, budget_gib=80.0)
+        plan = plan_by_cost(model, profile, Constraints(), cluster, auto=auto, reasons={})
     """
+    hardware, world_size, per_node = cluster.hardware, cluster.world_size, cluster.per_node
     if auto is None and constraints.tensor_parallel_size not in (None, 1) and world_size > 1:
         raise PlanError("tensor parallelism was asked for but the model could not be analysed")
     ranked = search_plans(
         profile,
         constraints,
-        world_size=world_size,
-        hardware=hardware,
-        per_node=per_node,
-        budget_gib=budget_gib,
+        cluster,
         sharding_plans={False: auto.plan, True: auto.plan} if auto else {},
         head_counts=auto.head_counts if auto else (),
         sequence_length=profile.sequence_length,
@@ -164,7 +159,7 @@ def plan_by_cost(
         constraints,
         c,
         best.memory,
-        budget_gib,
+        cluster.budget_gib,
         reasons,
         per_node,
         virtual_stages=best.virtual_stages,

@@ -51,6 +51,7 @@ from vescale.planner.hardware import HardwareProfile, load_hardware
 from vescale.planner.memory import MemoryEstimate, ParallelChoices, estimate_from_profile
 from vescale.planner.plan import Plan
 from vescale.planner.profile import ModelProfile, profile_model
+from vescale.planner.search import Cluster
 
 __all__ = ["default_memory_per_device_gb", "generate_plan"]
 
@@ -167,10 +168,7 @@ def generate_plan(
         model,
         profiles[1],
         constraints,
-        world_size=world_size,
-        hardware=hardware_profile,
-        per_node=per_node,
-        budget_gib=budget,
+        Cluster(hardware_profile, world_size=world_size, per_node=per_node, budget_gib=budget),
         auto=auto,
         reasons=reasons,
         top_k=top_k,

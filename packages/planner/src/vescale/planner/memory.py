@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +61,14 @@ from vescale.planner.errors import PlanError
 from vescale.planner.peak import StageSizes, peak_moments
 from vescale.planner.profile import ModelProfile, profile_model
 
-__all__ = ["MemoryEstimate", "ParallelChoices", "estimate_from_profile", "estimate_memory", "stage_sizes"]
+__all__ = [
+    "MemoryEstimate",
+    "ParallelChoices",
+    "estimate_from_profile",
+    "estimate_memory",
+    "peak_of_stages",
+    "stage_sizes",
+]
 
 
 @dataclass(frozen=True)
@@ -339,8 +347,19 @@ def estimate_from_profile(profile: ModelProfile, choices: ParallelChoices) -> Me
         profile = profile_model(model, sequence_length=512)
         estimate_from_profile(profile, ParallelChoices(sequence_length=512)).total
     """
+    return peak_of_stages(_sizes_and_divisors(profile, choices), choices)
+
+
+def peak_of_stages(stages: Iterable[tuple[StageSizes, float]], choices: ParallelChoices) -> MemoryEstimate:
+    """The largest peak (:func:`~vescale.planner.peak.peak_moments`) over the pipeline stages that
+    bound memory, each given as its sizes and the divisor ZeRO applies to its states.
+
+    Example::
+
+        estimate = peak_of_stages([(sizes, 8.0)], ParallelChoices(data_parallel_size=8, zero_stage=3))
+    """
     best: MemoryEstimate | None = None
-    for sizes, divisor in _sizes_and_divisors(profile, choices):
+    for sizes, divisor in stages:
         moments = peak_moments(sizes, divisor, choices.zero_stage, num_microbatches=choices.num_microbatches)
         estimate = MemoryEstimate(*(int(part) for part in max(moments.values(), key=sum)))
         if best is None or estimate.total > best.total:

@@ -15,8 +15,8 @@ by the candidate's fields, so the answer is the same on every run. Expert parall
 
 Example::
 
-    ranked = search_plans(profile, constraints, world_size=64, hardware=load_hardware("h100-80gb"),
-                          per_node=8, budget_gib=80, sharding_plans=plans, head_counts=(32, 8))
+    cluster = Cluster(load_hardware("h100-80gb"), world_size=64, per_node=8, budget_gib=80.0)
+    ranked = search_plans(profile, constraints, cluster, sharding_plans=plans, head_counts=(32, 8))
     best = ranked[0]
 """
 
@@ -32,13 +32,12 @@ from vescale.planner._parallel_sizes import divisors, parallel_sizes
 from vescale.planner._profile_scaling import scaled_profile
 from vescale.planner.constraints import Constraints
 from vescale.planner.cost import StepCost, balanced_split, op_parts, predict_step
-from vescale.planner.errors import ConstraintError, PlanError
+from vescale.planner.errors import ConstraintError
 from vescale.planner.hardware import HardwareProfile
-from vescale.planner.memory import MemoryEstimate, ParallelChoices, stage_sizes
-from vescale.planner.peak import peak_moments
+from vescale.planner.memory import MemoryEstimate, ParallelChoices, peak_of_stages, stage_sizes
 from vescale.planner.profile import ModelProfile
 
-__all__ = ["MEMORY_MARGIN", "Candidate", "search_plans", "seconds_per_sample"]
+__all__ = ["MEMORY_MARGIN", "Candidate", "Cluster", "search_plans", "seconds_per_sample"]
 
 MEMORY_MARGIN = 0.05
 """The share of the memory budget a chosen plan leaves free (allocator caching, fragmentation)."""
@@ -140,30 +139,33 @@ class _MemoryCache:
         if key not in self.sizes:
             base = dataclasses.replace(choices, data_parallel_size=1, zero_stage=0)
             self.sizes[key] = stage_sizes(profile, base)
-        dp, zero = choices.data_parallel_size, choices.zero_stage
-        best = None
-        for sizes in self.sizes[key]:
-            if zero >= 1:
-                sizes = dataclasses.replace(sizes, optimizer_states=sizes.optimizer_states / dp)
-            moments = peak_moments(sizes, dp, zero, num_microbatches=choices.num_microbatches)
-            estimate = MemoryEstimate(*(int(part) for part in max(moments.values(), key=sum)))
-            if best is None or estimate.total > best.total:
-                best = estimate
-        if best is None:
-            raise PlanError(
-                f"no pipeline stage to estimate the memory of for {choices}; use a size of at least 1"
-            )
-        return best
+        dp, stages = choices.data_parallel_size, self.sizes[key]
+        if choices.zero_stage >= 1:
+            stages = [dataclasses.replace(s, optimizer_states=s.optimizer_states / dp) for s in stages]
+        return peak_of_stages([(sizes, dp) for sizes in stages], choices)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The devices a plan is searched for: ``world_size`` of them, ``per_node`` to a node, each
+    with ``budget_gib`` of memory and priced by ``hardware``.
+
+    Example::
+
+        cluster = Cluster(load_hardware("h100-80gb"), world_size=64, per_node=8, budget_gib=80.0)
+    """
+
+    hardware: HardwareProfile
+    world_size: int
+    per_node: int
+    budget_gib: float
 
 
 def search_plans(
     profile: ModelProfile,
     constraints: Constraints,
+    cluster: Cluster,
     *,
-    world_size: int,
-    hardware: HardwareProfile,
-    per_node: int,
-    budget_gib: float,
     sharding_plans: dict[bool, ShardingPlan | None],
     head_counts: tuple[int, ...],
     sequence_length: int,
@@ -175,11 +177,12 @@ def search_plans(
 
     Example::
 
-        best = search_plans(profile, Constraints(), world_size=8, hardware=h100, per_node=8,
-                            budget_gib=80, sharding_plans={False: p, True: p_sp},
-                            head_counts=(32,), sequence_length=8192)[0]
+        best = search_plans(profile, Constraints(), Cluster(h100, world_size=8, per_node=8, budget_gib=80),
+                            sharding_plans={False: p, True: p_sp}, head_counts=(32,),
+                            sequence_length=8192)[0]
     """
-    sizes = parallel_sizes(world_size, constraints, per_node, head_counts, profile.num_blocks)
+    hardware, per_node, budget_gib = cluster.hardware, cluster.per_node, cluster.budget_gib
+    sizes = parallel_sizes(cluster.world_size, constraints, per_node, head_counts, profile.num_blocks)
     memory, scaled, ranked, smallest = _MemoryCache(), {}, [], None
     parts_cache: dict[tuple[Any, ...], dict[int | str, Any]] = {}
     splits: dict[tuple[Any, ...], tuple[int, ...]] = {}

@@ -46,6 +46,7 @@ from vescale.doptim.buckets import Bucket, ParamSlot, ReductionGroup, build_buck
 from vescale.doptim.errors import DataParallelConfigError, DataParallelMeshError
 from vescale.doptim.mesh_groups import mesh_dim_names, mesh_dims_group
 from vescale.doptim.reduction import BucketReduction, start_reduction
+from vescale.dtensor.placements import from_local_like
 
 __all__ = [
     "DATA_PARALLEL_ATTRIBUTE",
@@ -377,14 +378,7 @@ class DDP:
     def _wrap_like(self, param: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
         if not isinstance(param, DTensor):
             return view
-        return DTensor.from_local(
-            view,
-            param.device_mesh,
-            param.placements,
-            run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
-        )
+        return from_local_like(view, param)
 
     @torch.no_grad()
     def _on_gradient(self, param: torch.Tensor) -> None:

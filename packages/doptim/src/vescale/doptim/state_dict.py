@@ -32,6 +32,7 @@ from vescale.doptim.errors import DataParallelConfigError
 from vescale.doptim.reduction import all_gather_flat
 from vescale.doptim.sharded_optimizer import ShardedOptimizer
 from vescale.doptim.zero import ParamShard
+from vescale.dtensor.placements import from_local_like
 
 __all__ = [
     "MASTER_WEIGHT",
@@ -64,9 +65,7 @@ def _to_global(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if not isinstance(param, DTensor):
         return local.view(param.shape).clone()
     local = local.view(param.to_local().shape)
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-    ).full_tensor()
+    return from_local_like(local, param).full_tensor()
 
 
 def local_states(optimizer: ShardedOptimizer) -> Iterator[tuple[ParamShard, str, Any, bool]]:

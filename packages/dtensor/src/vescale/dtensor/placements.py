@@ -53,6 +53,7 @@ __all__ = [
     "PlacementError",
     "distribute_tensor",
     "from_local",
+    "from_local_like",
     "placement_from_string",
     "placement_to_string",
     "redistribute",
@@ -302,6 +303,27 @@ def from_local(
     )
     _check_interleaved_shapes(dtensor.shape, placements)
     return dtensor
+
+
+def from_local_like(
+    local_tensor: torch.Tensor, like: DTensor, *, stride: tuple[int, ...] | None = None
+) -> DTensor:
+    """This rank's ``local_tensor`` as a DTensor laid out like ``like``: its mesh, placements and
+    global shape, and its global stride unless ``stride`` is given (e.g. the contiguous one).
+
+    Example::
+
+        grad = from_local_like(torch.zeros_like(weight.to_local()), weight)
+        filled = from_local_like(local, tensor, stride=local.stride())
+    """
+    return DTensor.from_local(
+        local_tensor,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride() if stride is None else stride,
+    )
 
 
 def redistribute(

@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import Partial
 
 from vescale.dtensor.deferred.construct import module_tensors
 from vescale.dtensor.deferred.errors import DeferredPlacementError, NotDeferredError
@@ -31,6 +31,7 @@ from vescale.dtensor.placements import (
     InterleavedShard,
     PlacementError,
     distribute_tensor,
+    from_local_like,
     to_torch_placements,
     to_vescale_placements,
 )
@@ -102,9 +103,7 @@ def materialize_tensor(
     local = local if _owns_its_storage(local) else local.clone()
     if device_mesh.device_type != "cpu":
         local = local.to(device_mesh.device_type)
-    return DTensor.from_local(
-        local, device_mesh, sharded.placements, run_check=False, shape=sharded.shape, stride=sharded.stride()
-    )
+    return from_local_like(local, sharded)
 
 
 def _placement_spec(

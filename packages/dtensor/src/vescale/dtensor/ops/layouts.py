@@ -31,6 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from vescale.dtensor._op_handlers import dispatch_previous, register_op_handlers
+from vescale.dtensor.placements import from_local_like
 
 __all__ = ["LAYOUT_CHECKED_OPS", "expected_local_stride", "match_spec_layout"]
 
@@ -115,14 +116,7 @@ def match_spec_layout(result: Any) -> Any:
         return result
     relaid = torch.empty_strided(local.shape, stride, dtype=local.dtype, device=local.device)
     relaid.copy_(local)
-    return DTensor.from_local(
-        relaid,
-        result.device_mesh,
-        result.placements,
-        run_check=False,
-        shape=result.shape,
-        stride=result.stride(),
-    )
+    return from_local_like(relaid, result)
 
 
 def _layout_checked(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:

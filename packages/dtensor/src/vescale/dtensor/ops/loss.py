@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from vescale.dtensor._op_handlers import dispatch_previous, register_op_handlers
+from vescale.dtensor.placements import from_local_like
 
 __all__ = ["VOCAB_PARALLEL_LOSS_OPS"]
 
@@ -79,14 +80,7 @@ def _replicated_local(tensor: torch.Tensor, mesh: Any) -> torch.Tensor:
 
 def _like(local: torch.Tensor, exemplar: DTensor) -> DTensor:
     """A contiguous DTensor with ``exemplar``'s global shape and placements around ``local``."""
-    return DTensor.from_local(
-        local,
-        exemplar.device_mesh,
-        exemplar.placements,
-        run_check=False,
-        shape=exemplar.shape,
-        stride=torch.empty(exemplar.shape, device="meta").stride(),
-    )
+    return from_local_like(local, exemplar, stride=torch.empty(exemplar.shape, device="meta").stride())
 
 
 def _replicated_scalar(local: torch.Tensor, mesh: Any) -> DTensor:

@@ -24,6 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from vescale.dtensor._op_handlers import dispatch_previous, register_op_handlers
+from vescale.dtensor.placements import from_local_like
 
 __all__ = ["masked_fill_handler"]
 
@@ -61,14 +62,7 @@ def masked_fill_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, A
         tensor.to_local().masked_fill_(local_mask, value)
         return tensor
     local = tensor.to_local().masked_fill(local_mask, value)
-    return DTensor.from_local(
-        local,
-        tensor.device_mesh,
-        tensor.placements,
-        run_check=False,
-        shape=tensor.shape,
-        stride=local.stride(),
-    )
+    return from_local_like(local, tensor, stride=local.stride())
 
 
 register_op_handlers(

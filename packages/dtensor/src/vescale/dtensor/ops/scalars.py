@@ -24,6 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from vescale.dtensor._op_handlers import dispatch_previous, register_op_handlers
+from vescale.dtensor.placements import from_local_like
 
 __all__ = ["SCALAR_READ_OPS", "replicated_value"]
 
@@ -43,14 +44,7 @@ def replicated_value(tensor: DTensor) -> torch.Tensor:
         return tensor.to_local()
     local = tensor.to_local()
     is_bool = local.dtype == torch.bool
-    carried = DTensor.from_local(
-        local.to(torch.int32) if is_bool else local,
-        tensor.device_mesh,
-        tensor.placements,
-        run_check=False,
-        shape=tensor.shape,
-        stride=tensor.stride(),
-    )
+    carried = from_local_like(local.to(torch.int32) if is_bool else local, tensor)
     full = carried.redistribute(tensor.device_mesh, [Replicate()] * tensor.device_mesh.ndim).to_local()
     return full != 0 if is_bool else full
 

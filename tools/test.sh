@@ -8,11 +8,6 @@
 # Each xdist worker keeps its own pool of rank processes (vescale.dtensor.testing);
 # --dist loadfile keeps a test file on one worker so that its multi-rank tests share a warm pool.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
-python="$root/.venv/bin/python"
-if [[ ! -x "$python" ]]; then
-    echo "tools/test.sh: $python is missing; run: bash tools/setup.sh" >&2
-    exit 2
-fi
-exec "$python" -m pytest -n "${VESCALE_TEST_WORKERS:-2}" --dist loadfile "$@"
+source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
+venv_program python
+exec "$program" -m pytest -n "${VESCALE_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -26,17 +26,11 @@ from vescale.dcheckpoint import load, save
 from vescale.dmodule import auto_sharding_plan, deferred_init, parallelize_module
 from vescale.doptim import DistributedOptimizer, data_parallel
 from vescale.dtensor import Replicate, Shard, distribute_tensor, init_mesh, manual_seed
+from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
 from vescale.dtensor.testing.numerics import full_value, gradient_errors, relative_error
 
-CONFIG = transformers.LlamaConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+# The test kit's tiny Llama: 8 query and 4 key/value heads, so up to 4 tensor-parallel ranks.
+CONFIG = tiny_hf_config("llama")
 
 
 def report(name: str, ok: bool, detail: str) -> bool:

@@ -39,11 +39,8 @@ growth over the first. ``--async-only`` prints the async rows alone.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -57,6 +54,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from vescale.dcheckpoint import load, prepare_async_save, save
 from vescale.dtensor.placements import distribute_tensor
 from vescale.dtensor.testing import run_on_ranks, shutdown_rank_pool
+from vescale.dtensor.testing.memory import fresh_process_peak_growth
 
 
 def _state(count: int, numel: int, placements: list[str]) -> dict[str, torch.Tensor]:
@@ -326,32 +324,14 @@ def replicated_on_ranks(root: str, count: int, numel: int) -> dict[str, float]:
     return results
 
 
-# Run in a fresh process; writing 5 to clear_refs resets the peak-RSS mark (VmHWM) to the
-# current RSS, so the peak measured is the export's own.
-_MEASURE_EXPORT = """
-import json, sys
-from vescale.dcheckpoint import export_hf
-
-def status_kib(field):
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field))
-
-with open("/proc/self/clear_refs", "w") as clear_refs:
-    clear_refs.write("5")
-before = status_kib("VmRSS:")
-export_hf(sys.argv[1], sys.argv[2])
-print(json.dumps({"growth_bytes": (status_kib("VmHWM:") - before) * 1024}))
-"""
-
-
 def _export_peak_growth(checkpoint: Path, out_dir: Path) -> int:
-    measured = subprocess.run(
-        [sys.executable, "-c", _MEASURE_EXPORT, str(checkpoint), str(out_dir)],
-        capture_output=True,
-        text=True,
-        check=True,
+    return fresh_process_peak_growth(
+        "from vescale.dcheckpoint import export_hf",
+        "export_hf(sys.argv[1], sys.argv[2])",
+        str(checkpoint),
+        str(out_dir),
+        timeout_s=1800,
     )
-    return json.loads(measured.stdout)["growth_bytes"]
 
 
 def _row(name: str, vescale_value: str, dcp_value: str, goal: str) -> str:

@@ -17,8 +17,6 @@ one thread). Compared quantities and why:
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -39,6 +37,7 @@ from vescale.dcheckpoint import (
 from vescale.dtensor.mesh import init_mesh
 from vescale.dtensor.placements import distribute_tensor
 from vescale.dtensor.testing import run_on_ranks
+from vescale.dtensor.testing.memory import fresh_process_peak_growth
 from vescale.dtensor.testing.models.tiny_hf import build_tiny_hf_model, tiny_batch
 from vescale.dtensor.testing.models.tp_plans import apply_tensor_parallel
 
@@ -176,24 +175,6 @@ def save_large_on_ranks(
     save(directory, {"model": holder})
 
 
-# Run in a fresh process. Writing 5 to clear_refs resets the kernel's peak-RSS mark (VmHWM)
-# to the current RSS, so the peak after the export is the export's own.
-MEASURE_EXPORT = """
-import json, sys
-from vescale.dcheckpoint import export_hf
-
-def status_kib(field):
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field))
-
-with open("/proc/self/clear_refs", "w") as clear_refs:
-    clear_refs.write("5")
-before = status_kib("VmRSS:")
-export_hf(sys.argv[1], sys.argv[2])
-print(json.dumps({"before_kib": before, "peak_kib": status_kib("VmHWM:")}))
-"""
-
-
 def test_export_hf_streams_tensor_by_tensor(tmp_path):
     generator = torch.Generator().manual_seed(4)
     largest = 40 << 20
@@ -204,15 +185,13 @@ def test_export_hf_streams_tensor_by_tensor(tmp_path):
     }
     placements = {"rows": ["S(0)"], "columns": ["S(1)"], "small": ["R"]}
     run_on_ranks(save_large_on_ranks, 2, args=(str(tmp_path / "ckpt"), fulls, placements), timeout_s=300)
-    measured = subprocess.run(
-        [sys.executable, "-c", MEASURE_EXPORT, str(tmp_path / "ckpt"), str(tmp_path / "hf")],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    # In a fresh process, so that the peak is the export's own.
+    growth = fresh_process_peak_growth(
+        "from vescale.dcheckpoint import export_hf",
+        "export_hf(sys.argv[1], sys.argv[2])",
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "hf"),
     )
-    assert measured.returncode == 0, measured.stderr[-2000:]
-    figures = json.loads(measured.stdout)
-    growth = (figures["peak_kib"] - figures["before_kib"]) * 1024
     assert largest <= growth <= largest + (64 << 20), growth >> 20
     from safetensors.torch import load_file
 

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 import resource
+import subprocess
+import sys
 import threading
 import time
 
-__all__ = ["PeakResident", "release_free_heap", "resident_bytes"]
+__all__ = ["PeakResident", "fresh_process_peak_growth", "release_free_heap", "resident_bytes"]
 
 
 def resident_bytes() -> int:
@@ -72,3 +75,40 @@ class PeakResident:
         self._running = False
         self._thread.join()
         self.peak = max(self.peak, resident_bytes())
+
+
+# Writing 5 to clear_refs resets the kernel's peak-RSS mark (VmHWM) to the current RSS, so the
+# peak read after the statement is the statement's own, to the page, with no sampling.
+_PEAK_GROWTH_SCRIPT = """
+import json, sys
+{setup}
+
+def status_kib(field):
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field))
+
+with open("/proc/self/clear_refs", "w") as clear_refs:
+    clear_refs.write("5")
+before = status_kib("VmRSS:")
+{statement}
+print(json.dumps({{"growth_bytes": (status_kib("VmHWM:") - before) * 1024}}))
+"""
+
+
+def fresh_process_peak_growth(setup: str, statement: str, *argv: str, timeout_s: float = 300.0) -> int:
+    """Bytes a fresh Python process's resident set grows by at its peak while the one-line
+    ``statement`` runs, after ``setup`` (imports); ``argv`` is the process's ``sys.argv[1:]``.
+    Raises ``subprocess.CalledProcessError`` (with its stderr) when the process fails. Linux only.
+
+    Example::
+
+        growth = fresh_process_peak_growth(
+            "from vescale.dcheckpoint import export_hf", "export_hf(sys.argv[1], sys.argv[2])", src, out
+        )
+    """
+    script = _PEAK_GROWTH_SCRIPT.format(setup=setup, statement=statement)
+    measured = subprocess.run(
+        [sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=timeout_s, check=True
+    )
+    growth: int = json.loads(measured.stdout.strip().splitlines()[-1])["growth_bytes"]
+    return growth

@@ -25,35 +25,27 @@ from vescale.dcheckpoint.errors import CheckpointNotFoundError, CheckpointUsageE
 # the child patches the step named by the point to SIGKILL itself, and saves model(2) to
 # root/step-2. The parent prints each child's wait status.
 KILLED_SAVES = """
-import json, os, shutil, signal, sys
+import json, os, shutil, sys
 import torch
 from torch import nn
 from vescale.dcheckpoint import api, atomic, saving, writer
-
-def die_on(call_number, original):
-    calls = {"count": 0}
-    def patched(*args, **kwargs):
-        calls["count"] += 1
-        if calls["count"] == call_number:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return original(*args, **kwargs)
-    return patched
+from vescale.dtensor.testing.faults import kill_on_call
 
 def save_killed_at(point, root, keep_last):
     if point == "mid-shard":       # after the first chunk's bytes, before the second's
-        writer._write_piece = die_on(2, writer._write_piece)
+        writer._write_piece = kill_on_call(2, writer._write_piece)
     elif point == "before-fsync":  # shard written, not yet fsynced
-        atomic.fsync_file = die_on(1, atomic.fsync_file)
+        atomic.fsync_file = kill_on_call(1, atomic.fsync_file)
     elif point == "before-index":
-        saving.encode_index = die_on(1, saving.encode_index)
+        saving.encode_index = kill_on_call(1, saving.encode_index)
     elif point == "before-rename":
-        os.rename = die_on(1, os.rename)
+        os.rename = kill_on_call(1, os.rename)
     elif point == "before-latest":
-        atomic.update_latest = die_on(1, atomic.update_latest)
+        atomic.update_latest = kill_on_call(1, atomic.update_latest)
     elif point == "mid-latest":    # pending pointer written, not yet renamed over `latest`
-        os.replace = die_on(1, os.replace)
+        os.replace = kill_on_call(1, os.replace)
     elif point == "mid-prune":     # old checkpoint renamed away, not yet deleted
-        shutil.rmtree = die_on(1, shutil.rmtree)
+        shutil.rmtree = kill_on_call(1, shutil.rmtree)
     torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 8))
     api.save(os.path.join(root, "step-2"), {"model": model}, keep_last=keep_last or None)

@@ -40,6 +40,7 @@ from vescale.dcheckpoint.errors import CheckpointNotFoundError
 from vescale.dtensor.placements import distribute_tensor
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing._rank_pool import _machine_wide_rank_lock
+from vescale.dtensor.testing.faults import kill_on_call
 
 WORLD_SIZE = 2
 # name -> (global shape, placements on the 1-D mesh of both ranks); each rank writes >= 2 chunks.
@@ -81,18 +82,6 @@ class Holder(nn.Module):
             self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
 
 
-def _die_on(call_number: int, original):
-    calls = {"count": 0}
-
-    def patched(*args, **kwargs):
-        calls["count"] += 1
-        if calls["count"] == call_number:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return original(*args, **kwargs)
-
-    return patched
-
-
 def _rank_body(rank: int, job: dict, step: int, kill: bool) -> None:
     dist.init_process_group(
         "gloo",
@@ -109,7 +98,7 @@ def _rank_body(rank: int, job: dict, step: int, kill: bool) -> None:
     if kill and rank == victim:
         module_name, attribute = target.split(".")
         module = _MODULES[module_name]
-        setattr(module, attribute, _die_on(call_number, getattr(module, attribute)))
+        setattr(module, attribute, kill_on_call(call_number, getattr(module, attribute)))
     keep_last = 1 if job["point"] == "mid-prune" else None
     asynchronous = job["point"].startswith("async")
     result = save(

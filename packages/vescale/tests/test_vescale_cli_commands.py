@@ -44,16 +44,6 @@ def run_all(*invocations: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
         return list(pool.map(lambda arguments: run_vescale(*arguments), invocations))
 
 
-def assert_one_line_error(completed: subprocess.CompletedProcess, *fragments: str) -> None:
-    """Exit status 2, one ``error:`` line on stderr naming the problem, no traceback."""
-    assert completed.returncode == 2, (completed.returncode, completed.stdout, completed.stderr)
-    lines = completed.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), completed.stderr
-    assert "Traceback" not in completed.stdout + completed.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-
-
 def test_help_names_every_command_and_the_train_options():
     top = run_vescale("--help")
     assert top.returncode == 0, top.stderr
@@ -116,7 +106,7 @@ def test_plan_of_llama_3_70b_on_1024_ranks(tmp_path):
     assert "of 80.00 GiB" in completed.stdout
 
 
-def test_plan_errors_are_one_line_with_the_fix(tmp_path):
+def test_plan_errors_are_one_line_with_the_fix(tmp_path, assert_one_line_error):
     bad_config = tmp_path / "config.json"
     bad_config.write_text(json.dumps({"hidden_size": 64}))
     missing, misspelled, no_type, tp3, typo, not_json = run_all(
@@ -135,7 +125,7 @@ def test_plan_errors_are_one_line_with_the_fix(tmp_path):
     assert_one_line_error(not_json, "is not valid JSON")
 
 
-def test_plan_of_a_users_module_class_function_or_config(tmp_path):
+def test_plan_of_a_users_module_class_function_or_config(tmp_path, assert_one_line_error):
     (tmp_path / "my_models.py").write_text(
         "import transformers\n"
         "from vescale.cli.models import PRESETS\n"
@@ -192,7 +182,7 @@ def test_checkpoint_inspect_and_export_hf(tmp_path):
         assert torch.equal(tensor, expected[name]), name  # a copy of the saved bytes: bitwise
 
 
-def test_checkpoint_errors_are_one_line(tmp_path):
+def test_checkpoint_errors_are_one_line(tmp_path, assert_one_line_error):
     inspected, exported = run_all(
         ("checkpoint", "inspect", str(tmp_path)),
         ("checkpoint", "export-hf", str(tmp_path / "missing"), str(tmp_path / "out")),
@@ -201,7 +191,7 @@ def test_checkpoint_errors_are_one_line(tmp_path):
     assert_one_line_error(exported, "no checkpoint at")
 
 
-def test_train_refuses_bad_options_before_starting_ranks(tmp_path):
+def test_train_refuses_bad_options_before_starting_ranks(tmp_path, assert_one_line_error):
     (tmp_path / "done").mkdir()
     (tmp_path / "done" / "latest").write_text("step-000010\n")
     no_steps, no_endpoint, tp3, nothing_to_resume, already_saved, restarts_without_saves, no_data = run_all(
@@ -225,7 +215,7 @@ def test_train_refuses_bad_options_before_starting_ranks(tmp_path):
     assert_one_line_error(no_data, "missing.jsonl", "no such file")
 
 
-def test_plot_without_matplotlib_says_how_to_get_it(tmp_path):
+def test_plot_without_matplotlib_says_how_to_get_it(tmp_path, assert_one_line_error):
     # Hide matplotlib as an install without the plot extra lacks it: a None entry in sys.modules,
     # set at start-up by a sitecustomize.py that comes first on the path.
     hiding = tmp_path / "hide_matplotlib"

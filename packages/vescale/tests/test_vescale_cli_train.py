@@ -68,16 +68,6 @@ def run_tool(*arguments: str) -> subprocess.CompletedProcess:
     )
 
 
-def assert_one_line_error(completed: subprocess.CompletedProcess, *fragments: str) -> None:
-    """Exit status 2, one ``error:`` line on stderr naming the problem, no traceback from any rank."""
-    assert completed.returncode == 2, (completed.returncode, completed.stdout, completed.stderr)
-    lines = completed.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), completed.stderr
-    assert "Traceback" not in completed.stdout + completed.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-
-
 def reference_losses(steps: int, dp: int) -> list[float]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks' thread count: CPU matmuls differ between thread counts
@@ -223,7 +213,9 @@ def test_checkpoint_of_a_run_shows_its_plan_and_exports(first_run, tmp_path):
     assert model.model.layers[last].mlp.down_proj.weight.shape == (hidden, intermediate)
 
 
-def test_a_checkpoint_that_does_not_fit_the_model_is_one_line_from_the_ranks(first_run, tmp_path):
+def test_a_checkpoint_that_does_not_fit_the_model_is_one_line_from_the_ranks(
+    first_run, tmp_path, assert_one_line_error
+):
     run_dir, _ = first_run
     narrow = tmp_path / "narrow.json"
     vocab, hidden = TINY_LLAMA["vocab_size"], TINY_LLAMA["hidden_size"]

@@ -52,6 +52,16 @@ def import_everything() -> None:
     vescale.dmodule.materialize_module(vescale.dmodule.deferred_init(transformers.LlamaForCausalLM, tiny))
 
 
+def measurement_start(args: argparse.Namespace) -> tuple[object, int]:
+    """The config and the resident baseline both paths measure from: taken after every import, so
+    that only the model counts, then the weights' seed."""
+    config = llama_config(args)
+    import_everything()
+    baseline = resident_bytes()
+    torch.manual_seed(0)
+    return config, baseline
+
+
 def tp_placements(fqn: str, mesh):
     from torch.distributed.tensor import Replicate, Shard
 
@@ -74,10 +84,7 @@ def deferred_rank(rank: int, world_size: int, store_path: str, args: argparse.Na
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     mesh = init_device_mesh("cpu", (world_size,))
-    config = llama_config(args)
-    import_everything()
-    baseline = resident_bytes()
-    torch.manual_seed(0)
+    config, baseline = measurement_start(args)
     with PeakResident() as peak:
         start = time.perf_counter()
         model = vescale.dmodule.deferred_init(transformers.LlamaForCausalLM, config)
@@ -95,10 +102,7 @@ def eager_process(args: argparse.Namespace, results) -> None:
     torch.set_num_threads(1)
     import transformers
 
-    config = llama_config(args)
-    import_everything()
-    baseline = resident_bytes()
-    torch.manual_seed(0)
+    config, baseline = measurement_start(args)
     with PeakResident() as peak:
         start = time.perf_counter()
         model = transformers.LlamaForCausalLM(config)

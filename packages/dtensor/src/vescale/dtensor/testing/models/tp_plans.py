@@ -77,33 +77,39 @@ def model_loss(model: nn.Module, name: str, input_ids: torch.Tensor, labels: tor
     return loss
 
 
-def _llama_family_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def _decoder_plan(
+    sequence_parallel: bool, embedding: str, column: list[str], row: list[str], norms: list[str]
+) -> dict[str, ParallelStyle]:
+    """Megatron's plan of a decoder: the token ``embedding`` vocabulary-parallel, the ``column``
+    projections and ``lm_head`` column-parallel, the ``row`` projections row-parallel and, with
+    sequence parallelism, the residual stream's ``norms`` sequence-parallel."""
     # With sequence parallelism activations between blocks are Shard(1) (sequence dim); the
     # projections gather them and scatter their outputs back.
     activation = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
-        "model.embed_tokens": VocabParallelEmbedding(activation),
+        embedding: VocabParallelEmbedding(activation),
         "lm_head": ColwiseParallel(input_layouts=activation, use_local_output=False),
     }
-    for projection in (
-        "self_attn.q_proj",
-        "self_attn.k_proj",
-        "self_attn.v_proj",
-        "mlp.gate_proj",
-        "mlp.up_proj",
-    ):
-        plan[f"model.layers.*.{projection}"] = ColwiseParallel(
-            input_layouts=activation, use_local_output=False
-        )
-    for projection in ("self_attn.o_proj", "mlp.down_proj"):
-        plan[f"model.layers.*.{projection}"] = RowwiseParallel(
-            output_layouts=activation, use_local_output=False
-        )
+    for projection in column:
+        plan[projection] = ColwiseParallel(input_layouts=activation, use_local_output=False)
+    for projection in row:
+        plan[projection] = RowwiseParallel(output_layouts=activation, use_local_output=False)
     if sequence_parallel:
-        # Every norm on the residual stream (Gemma-2 has four per layer), not q_norm/k_norm.
-        for norm in ("model.layers.*.*layernorm", "model.norm"):
+        for norm in norms:
             plan[norm] = SequenceParallel(use_local_output=False)
     return plan
+
+
+def _llama_family_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    column = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+    return _decoder_plan(
+        sequence_parallel,
+        "model.embed_tokens",
+        column=[f"model.layers.*.{projection}" for projection in column],
+        row=["model.layers.*.self_attn.o_proj", "model.layers.*.mlp.down_proj"],
+        # Every norm on the residual stream (Gemma-2 has four per layer), not q_norm/k_norm.
+        norms=["model.layers.*.*layernorm", "model.norm"],
+    )
 
 
 def _mixtral_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -125,20 +131,16 @@ def _mixtral_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
 
 
 def _nanogpt_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    activation = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, ParallelStyle] = {
-        "wte": VocabParallelEmbedding(activation),
-        "lm_head": ColwiseParallel(input_layouts=activation, use_local_output=False),
-    }
-    for projection in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.c_fc"):
-        plan[f"h.*.{projection}"] = ColwiseParallel(input_layouts=activation, use_local_output=False)
-    for projection in ("attn.c_proj", "mlp.c_proj"):
-        plan[f"h.*.{projection}"] = RowwiseParallel(output_layouts=activation, use_local_output=False)
+    plan = _decoder_plan(
+        sequence_parallel,
+        "wte",
+        column=["h.*.attn.q_proj", "h.*.attn.k_proj", "h.*.attn.v_proj", "h.*.mlp.c_fc"],
+        row=["h.*.attn.c_proj", "h.*.mlp.c_proj"],
+        norms=["h.*.ln_1", "h.*.ln_2", "ln_f"],
+    )
     if sequence_parallel:
         # The position embedding is added to the sharded token embedding: shard it alike.
         plan["wpe"] = ParallelOutputAsShard(1)
-        for norm in ("h.*.ln_1", "h.*.ln_2", "ln_f"):
-            plan[norm] = SequenceParallel(use_local_output=False)
     return plan
 
 

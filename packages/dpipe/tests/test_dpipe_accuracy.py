@@ -16,49 +16,32 @@ size runs all five schedules, to pay process start-up once.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from vescale.dpipe import PipelinePlan, pipeline_parallelize
 from vescale.dpipe.testing import (
-    LEARNING_RATE,
     LOSS_RTOL,
     SCHEDULES,
-    build_model,
+    pipeline_first_step_gradients,
     pipeline_training_losses_per_schedule,
+    reference_training_run,
     schedule_plan,
-    training_batches,
 )
-from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
-from vescale.dtensor.testing.numerics import full_parameters, sgd_step_gradients
-from vescale.dtensor.testing.reference import assert_matches_reference, train_reference
+from vescale.dtensor.testing.reference import assert_matches_reference
 
 # Worst first-step gradient over every FQN, measured over the 20 (model, pp, schedule) runs:
 # 5.55e-7 (Llama) and 8.54e-7 (GPT-2) relative, the same for every schedule and pp size (the
 # micro-batch accumulation's float32 reordering). The bound, 1e-5, is 12x that floor; a
 # gradient off by x2 (x4) errs by 1.0 (3.0).
 GRAD_RTOL = 1e-5
-SGD_LR = 1e3  # large, so the parameters' own rounding adds only ulp / lr to the read-back gradient
-
-
-def sgd_first_step_gradients(model_name: str, pp_size: int, schedule: str) -> dict[str, torch.Tensor]:
-    """One SGD step of the pipeline on the first batch: this rank's stages' gradients by FQN."""
-    model = build_model(model_name)
-    pipe = pipeline_parallelize(
-        model, init_mesh(pp=pp_size), PipelinePlan.from_dict(schedule_plan(schedule, pp_size))
-    )
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=SGD_LR)
-    input_ids = training_batches(model.config.vocab_size)[0]
-    before = full_parameters(model)
-    pipe(input_ids=input_ids, labels=input_ids).loss.backward()
-    optimizer.step()
-    return sgd_step_gradients(before, full_parameters(model), SGD_LR)
 
 
 def losses_and_gradients_per_schedule(model_name: str, pp_size: int) -> dict[str, tuple]:
     losses = pipeline_training_losses_per_schedule(model_name, {"pp": pp_size}, SCHEDULES)
     return {
-        schedule: (losses[schedule], sgd_first_step_gradients(model_name, pp_size, schedule))
+        schedule: (
+            losses[schedule],
+            pipeline_first_step_gradients(model_name, {"pp": pp_size}, schedule_plan(schedule, pp_size)),
+        )
         for schedule in SCHEDULES
     }
 
@@ -66,12 +49,7 @@ def losses_and_gradients_per_schedule(model_name: str, pp_size: int) -> dict[str
 @pytest.mark.parametrize("pp_size", [2, 4])
 @pytest.mark.parametrize("model_name", ["llama", "gpt2"])
 def test_pipeline_matches_single_device_training_for_every_schedule(model_name: str, pp_size: int):
-    reference = train_reference(
-        lambda: build_model(model_name),
-        training_batches(build_model(model_name).config.vocab_size),
-        lambda model: torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE),
-        loss_fn=lambda model, ids: model(input_ids=ids, labels=ids, use_cache=False).loss,
-    )
+    reference = reference_training_run(model_name)
     results = run_on_ranks(
         losses_and_gradients_per_schedule, world_size=pp_size, args=(model_name, pp_size), timeout_s=400
     )

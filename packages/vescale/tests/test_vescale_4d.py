@@ -29,25 +29,16 @@ tensor's size and stride".
 from __future__ import annotations
 
 import pytest
-import torch
 
-import vescale.dmodule
-from vescale.doptim import DistributedOptimizer, data_parallel
-from vescale.dpipe import PipelinePlan, pipeline_parallelize
 from vescale.dpipe.testing import (
-    GLOBAL_BATCH,
-    LEARNING_RATE,
     LOSS_RTOL,
-    _tensor_parallel_plan,
-    build_model,
+    pipeline_first_step_gradients,
     pipeline_training_losses,
+    reference_training_run,
     schedule_plan,
-    training_batches,
 )
-from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
-from vescale.dtensor.testing.numerics import full_parameters, sgd_step_gradients
-from vescale.dtensor.testing.reference import ReferenceRun, assert_matches_reference, train_reference
+from vescale.dtensor.testing.reference import assert_matches_reference
 
 MESH_DIMS = {"pp": 2, "dp": 2, "tp": 2}
 # (schedule, ZeRO stage) of each run.
@@ -56,33 +47,6 @@ RUNS = (("1f1b", 1), ("zbv", 2))
 # (Llama) relative, float32 reordering. The bound, 1e-5, is 13x that floor; a gradient off by
 # x2 (x4) errs by 1.0 (3.0).
 GRAD_RTOL = 1e-5
-SGD_LR = 1e3  # large, so the parameters' own rounding adds only ulp / lr to the read-back gradient
-
-
-def reference_run(model_name: str) -> ReferenceRun:
-    vocab_size = build_model(model_name).config.vocab_size
-    return train_reference(
-        lambda: build_model(model_name),
-        training_batches(vocab_size),
-        lambda model: torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE),
-        loss_fn=lambda model, ids: model(input_ids=ids, labels=ids, use_cache=False).loss,
-    )
-
-
-def sgd_first_step_gradients(model_name: str, schedule: str, zero_stage: int) -> dict[str, torch.Tensor]:
-    """One SGD step of the 4-D composition on the first batch: this pp rank's gradients by FQN."""
-    mesh = init_mesh(**MESH_DIMS)
-    model = build_model(model_name)
-    vescale.dmodule.parallelize_module(model, mesh, _tensor_parallel_plan(model), mesh_dim="tp")
-    pipe = pipeline_parallelize(model, mesh, PipelinePlan.from_dict(schedule_plan(schedule, MESH_DIMS["pp"])))
-    data_parallel(pipe, mesh, zero_stage=zero_stage, mesh_dim="dp")
-    optimizer = DistributedOptimizer(torch.optim.SGD(pipe.parameters(), lr=SGD_LR))
-    rows, dp_rank = GLOBAL_BATCH // MESH_DIMS["dp"], mesh.get_local_rank("dp")
-    local_ids = training_batches(model.config.vocab_size)[0][dp_rank * rows : (dp_rank + 1) * rows]
-    before = full_parameters(model)
-    pipe(input_ids=local_ids, labels=local_ids).loss.backward()
-    optimizer.step()
-    return sgd_step_gradients(before, full_parameters(model), SGD_LR)
 
 
 def losses_and_gradients(model_name: str, runs: tuple[tuple[str, int], ...]) -> dict[str, tuple]:
@@ -91,7 +55,9 @@ def losses_and_gradients(model_name: str, runs: tuple[tuple[str, int], ...]) -> 
             pipeline_training_losses(
                 model_name, MESH_DIMS, schedule_plan(schedule, MESH_DIMS["pp"]), zero_stage
             ),
-            sgd_first_step_gradients(model_name, schedule, zero_stage),
+            pipeline_first_step_gradients(
+                model_name, MESH_DIMS, schedule_plan(schedule, MESH_DIMS["pp"]), zero_stage
+            ),
         )
         for schedule, zero_stage in runs
     }
@@ -99,7 +65,7 @@ def losses_and_gradients(model_name: str, runs: tuple[tuple[str, int], ...]) -> 
 
 @pytest.mark.parametrize(("model_name", "runs"), [("gpt2", RUNS), ("llama", RUNS[:1])], ids=["gpt2", "llama"])
 def test_pp2_dp2_tp2_zero_matches_single_device_training(model_name: str, runs: tuple):
-    reference = reference_run(model_name)
+    reference = reference_training_run(model_name)
     results = run_on_ranks(losses_and_gradients, world_size=8, args=(model_name, runs), timeout_s=500)
     for run_name in results[0]:
         losses, gradients = zip(*(per_run[run_name] for per_run in results), strict=True)

@@ -2,27 +2,31 @@
 
 Every run trains a tiny ``transformers`` Llama (untied) or GPT-2 (``wte`` tied to ``lm_head``)
 with eight blocks for :data:`STEPS` AdamW steps on the same :data:`GLOBAL_BATCH` x
-:data:`SEQ_LEN` token batches and returns the loss of each step. The reference is the
+:data:`SEQ_LEN` token batches and returns the loss of each step; one plain SGD step of the
+same parallel model reads back the first step's gradients (``sgd_step_gradients``). The
+reference is the test kit's (:func:`vescale.dtensor.testing.reference.train_reference`): the
 same model, seed and batches in one process (float32, one thread), each step on the whole
 batch. The parallel run composes, in this order: ``vescale.dmodule.parallelize_module``
 over ``tp`` (its automatic plan), :func:`vescale.dpipe.pipeline_parallelize` over ``pp``,
-then ``vescale.doptim.data_parallel`` over ``dp``. Every row has the same number of
-tokens, so the mean of micro-batch (and dp-shard) mean losses is the whole batch's mean
-loss and the runs agree up to float32 summation order.
+then ``vescale.doptim.data_parallel`` over ``dp``, and trains with the test kit's plain
+loop (``train_steps``). Every row has the same number of tokens, so the mean of
+micro-batch (and dp-shard) mean losses is the whole batch's mean loss and the runs agree
+up to float32 summation order.
 
 ``transformers`` is a test dependency: it is imported only when a model is built.
 
 Example::
 
     losses = run_on_ranks(pipeline_training_losses, 4, args=("llama", {"pp": 2, "tp": 2}, plan_dict))
-    reference = reference_training_losses("llama")
-    print(max_relative_error(losses[0], reference))
+    reference = reference_training_run("llama")
+    print(max_relative_error(losses[0], reference.losses))
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -31,6 +35,8 @@ from torch import nn
 
 from vescale.dpipe.pipeline_module import pipeline_parallelize
 from vescale.dpipe.plan import PipelinePlan
+from vescale.dtensor.testing.numerics import full_parameters, sgd_step_gradients
+from vescale.dtensor.testing.reference import ReferenceRun, train_reference, train_steps
 
 __all__ = [
     "ACCEPTANCE_CASES",
@@ -38,12 +44,15 @@ __all__ = [
     "LOSS_RTOL",
     "SCHEDULES",
     "SEQ_LEN",
+    "SGD_LR",
     "STEPS",
     "build_model",
     "max_relative_error",
+    "pipeline_first_step_gradients",
     "pipeline_training_losses",
     "pipeline_training_losses_per_schedule",
     "reference_training_losses",
+    "reference_training_run",
     "schedule_plan",
     "training_batches",
 ]
@@ -55,6 +64,9 @@ LEARNING_RATE = 1e-2
 # The issue's bound on every step's loss against single-device training.
 LOSS_RTOL = 1e-4
 NUM_MICROBATCHES = 4
+# The SGD step that reads gradients back: large, so the parameters' own rounding adds only
+# ulp / lr to the read-back gradient.
+SGD_LR = 1e3
 
 
 def schedule_plan(schedule: str, pp_size: int) -> dict[str, Any]:
@@ -122,29 +134,85 @@ def _optimizer(parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(parameters, lr=LEARNING_RATE)
 
 
+def _loss(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    loss: torch.Tensor = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+    return loss
+
+
+def _pipe_loss(pipe: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    loss: torch.Tensor = pipe(input_ids=input_ids, labels=input_ids).loss
+    return loss
+
+
+def reference_training_run(model_name: str) -> ReferenceRun:
+    """Single-process training on the whole batch (the test kit's ``train_reference``: float32,
+    one thread): each step's loss, gradients and optimizer state.
+
+    Example::
+
+        reference = reference_training_run("llama")
+        assert len(reference.losses) == STEPS and "lm_head.weight" in reference.gradients[0]
+    """
+    return train_reference(
+        lambda: build_model(model_name),
+        training_batches(_vocab_size(build_model(model_name))),
+        lambda model: _optimizer(model.parameters()),
+        loss_fn=_loss,
+    )
+
+
 def reference_training_losses(model_name: str) -> list[float]:
-    """The loss of each step of single-process training on the whole batch (float32, one thread).
+    """The loss of each step of :func:`reference_training_run`.
 
     Example::
 
         reference = reference_training_losses("llama")
         assert len(reference) == STEPS
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = build_model(model_name)
-        optimizer = _optimizer(model.parameters())
-        losses = []
-        for input_ids in training_batches(_vocab_size(model)):
-            loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        return losses
-    finally:
-        torch.set_num_threads(threads)
+    return reference_training_run(model_name).losses
+
+
+@dataclass(frozen=True)
+class _ParallelRun:
+    model: nn.Module  # the model as built, under its wrappers: its FQNs are the reference's
+    pipe: nn.Module
+    optimizer: Any  # a torch optimizer, or doptim's DistributedOptimizer around one under dp
+    mesh: Any
+    dp_size: int
+    dp_rank: int
+
+    def local_batches(self, batches: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """This dp rank's contiguous rows of each global batch."""
+        rows = GLOBAL_BATCH // self.dp_size
+        return [input_ids[self.dp_rank * rows : (self.dp_rank + 1) * rows] for input_ids in batches]
+
+
+def _parallelize(
+    model_name: str,
+    mesh_dims: dict[str, int],
+    plan_dict: dict[str, Any],
+    zero_stage: int,
+    optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+) -> _ParallelRun:
+    from vescale.dtensor import init_mesh
+
+    # mesh_dims holds only dim sizes, never init_mesh's device_type keyword.
+    mesh = init_mesh(**cast(dict[str, Any], mesh_dims))
+    model = build_model(model_name)
+    if "tp" in mesh_dims:
+        import vescale.dmodule
+
+        # TP first: every parameter becomes a DTensor on the full mesh, then dpipe keeps this pp
+        # rank's stages and drops the others' parameters.
+        vescale.dmodule.parallelize_module(model, mesh, _tensor_parallel_plan(model), mesh_dim="tp")
+    pipe = pipeline_parallelize(model, mesh, PipelinePlan.from_dict(plan_dict))
+    if "dp" not in mesh_dims:
+        return _ParallelRun(model, pipe, optimizer_fn(pipe.parameters()), mesh, 1, 0)
+    from vescale.doptim import DistributedOptimizer, data_parallel
+
+    data_parallel(pipe, mesh, zero_stage=zero_stage, mesh_dim="dp")
+    optimizer = DistributedOptimizer(optimizer_fn(pipe.parameters()))
+    return _ParallelRun(model, pipe, optimizer, mesh, mesh_dims["dp"], mesh.get_local_rank("dp"))
 
 
 def pipeline_training_losses(
@@ -159,43 +227,35 @@ def pipeline_training_losses(
 
         losses = run_on_ranks(pipeline_training_losses, 4, args=("gpt2", {"pp": 2, "tp": 2}, plan_dict))
     """
-    from vescale.dtensor import init_mesh
+    run = _parallelize(model_name, mesh_dims, plan_dict, zero_stage, _optimizer)
+    batches = run.local_batches(training_batches(_vocab_size(run.model)))
+    losses = torch.tensor(train_steps(run.pipe, run.optimizer, batches, _pipe_loss), dtype=torch.float32)
+    if run.dp_size > 1:
+        dist.all_reduce(losses, group=run.mesh.get_group("dp"))
+        losses /= run.dp_size
+    return cast(list[float], losses.tolist())
 
-    # mesh_dims holds only dim sizes, never init_mesh's device_type keyword.
-    mesh = init_mesh(**cast(dict[str, Any], mesh_dims))
-    model = build_model(model_name)
-    if "tp" in mesh_dims:
-        import vescale.dmodule
 
-        # TP first: every parameter becomes a DTensor on the full mesh, then dpipe keeps this pp
-        # rank's stages and drops the others' parameters.
-        vescale.dmodule.parallelize_module(model, mesh, _tensor_parallel_plan(model), mesh_dim="tp")
-    pipe = pipeline_parallelize(model, mesh, PipelinePlan.from_dict(plan_dict))
-    if "dp" in mesh_dims:
-        from vescale.doptim import DistributedOptimizer, data_parallel
+def pipeline_first_step_gradients(
+    model_name: str, mesh_dims: dict[str, int], plan_dict: dict[str, Any], zero_stage: int = 1
+) -> dict[str, torch.Tensor]:
+    """Run on every rank of ``mesh_dims``: the first batch's gradients of this rank's stages by FQN,
+    read back from one plain SGD step (``sgd_step_gradients``) of the same parallel model: what the
+    optimizer applied after the micro-batch accumulation, the tied copies' sum and dp's reduction.
 
-        data_parallel(pipe, mesh, zero_stage=zero_stage, mesh_dim="dp")
-        optimizer: DistributedOptimizer | torch.optim.Optimizer = DistributedOptimizer(
-            _optimizer(pipe.parameters())
-        )
-        dp_size, dp_rank = mesh_dims["dp"], mesh.get_local_rank("dp")
-    else:
-        optimizer = _optimizer(pipe.parameters())
-        dp_size, dp_rank = 1, 0
-    rows = GLOBAL_BATCH // dp_size
-    losses = []
-    for input_ids in training_batches(_vocab_size(model)):
-        local_ids = input_ids[dp_rank * rows : (dp_rank + 1) * rows]
-        out = pipe(input_ids=local_ids, labels=local_ids)
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        loss = out.loss.detach().clone()
-        if dp_size > 1:
-            dist.all_reduce(loss, group=mesh.get_group("dp"))
-            loss /= dp_size
-        losses.append(loss.item())
-    return losses
+    Example::
+
+        gradients = run_on_ranks(pipeline_first_step_gradients, 2, args=("llama", {"pp": 2}, plan_dict))
+    """
+
+    def sgd(parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(parameters, lr=SGD_LR)
+
+    run = _parallelize(model_name, mesh_dims, plan_dict, zero_stage, sgd)
+    first = run.local_batches(training_batches(_vocab_size(run.model))[:1])
+    before = full_parameters(run.model)
+    train_steps(run.pipe, run.optimizer, first, _pipe_loss)
+    return sgd_step_gradients(before, full_parameters(run.model), SGD_LR)
 
 
 def _tensor_parallel_plan(model: nn.Module) -> dict[str, Any]:

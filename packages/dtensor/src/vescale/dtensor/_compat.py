@@ -580,8 +580,65 @@ def install_strided_shard_greedy_redistribution() -> None:
             return _through_replicate(planner.generate_greedy_transform_infos(src_spec, dst_spec))
 
     plan_with_greedy_fallback.vescale_greedy_fallback = True  # type: ignore[attr-defined]
+    keeps_replicate_dims = getattr(plan, "vescale_keeps_replicate_dims", False)
+    plan_with_greedy_fallback.vescale_keeps_replicate_dims = keeps_replicate_dims  # type: ignore[attr-defined]
     setattr(module, _PLANNER_ATTRIBUTE, plan_with_greedy_fallback)
     cached_plan.cache_clear()  # plans that failed were not cached; ones that worked stay valid
+
+
+# --- every torch: redistribution plans leave the data-parallel mesh dims alone -------------
+# veScale's activations are Replicate over the dp (and ep) mesh dims while each rank holds its
+# own part of the batch: the module is replicated there, the data is not. A plan that moves data
+# across a mesh dim on which the tensor is Replicate before and after is a no-op for a truly
+# replicated tensor but mixes two ranks' batches here. torch 2.13's graph-based planner, which
+# plans every move that involves a _StridedShard, makes such plans: in the backward of OPT's
+# flatten of a sequence-parallel [b, s, h] activation (Partial -> _StridedShard over tp, dp
+# untouched) it strided-shards and all-gathers over dp in between, and dp2 x tp2 trained OPT
+# with gradients 40% off. The wrapper keeps the planner's plan when it leaves those dims alone
+# and otherwise takes the greedy plan, which moves each mesh dim that changes, on its own.
+
+
+def _moves_an_unchanged_replicate_dim(transform_infos: list[Any], src_spec: Any, dst_spec: Any) -> bool:
+    unchanged = {
+        dim
+        for dim, (source, target) in enumerate(zip(src_spec.placements, dst_spec.placements, strict=True))
+        if source.is_replicate() and target.is_replicate()
+    }
+    return any(info.mesh_dim in unchanged for info in transform_infos)
+
+
+def install_replicate_dims_guard() -> None:
+    """Plan every redistribution without moving data across a mesh dim on which the tensor is
+    Replicate before and after (idempotent; see the comment above).
+
+    Example::
+
+        install_replicate_dims_guard()
+        grad.redistribute(mesh, [Replicate(), _StridedShard(0, split_factor=2)])  # nothing over dp
+    """
+    module = importlib.import_module(_REDISTRIBUTE_MODULE)
+    plan = _private_attribute(_REDISTRIBUTE_MODULE, _PLANNER_ATTRIBUTE, None)
+    get_planner = _private_attribute(_REDISTRIBUTE_MODULE, "get_redistribute_planner", None)
+    cached_plan = _private_attribute(_REDISTRIBUTE_MODULE, "_gen_transform_infos", None)
+    if getattr(plan, "vescale_keeps_replicate_dims", False):
+        return
+
+    def plan_keeping_replicate_dims(
+        src_spec: Any, dst_spec: Any, use_graph_based_transform: Any = None
+    ) -> Any:
+        transform_infos = plan(src_spec, dst_spec, use_graph_based_transform)
+        if not _moves_an_unchanged_replicate_dim(transform_infos, src_spec, dst_spec):
+            return transform_infos
+        planner = get_planner(src_spec.device_mesh, src_spec.tensor_meta)
+        greedy = planner.generate_greedy_transform_infos(src_spec, dst_spec)
+        return _through_replicate(greedy) if torch_version() < (2, 13) else greedy
+
+    plan_keeping_replicate_dims.vescale_keeps_replicate_dims = True  # type: ignore[attr-defined]
+    # The two wrappers may wrap each other in either order: each carries the other's mark.
+    greedy_fallback = getattr(plan, "vescale_greedy_fallback", False)
+    plan_keeping_replicate_dims.vescale_greedy_fallback = greedy_fallback  # type: ignore[attr-defined]
+    setattr(module, _PLANNER_ATTRIBUTE, plan_keeping_replicate_dims)
+    cached_plan.cache_clear()  # plans made before may move such dims
 
 
 def _through_replicate(transform_infos: list[Any]) -> list[Any]:
@@ -679,6 +736,7 @@ def register_dtensor_op_strategy_like(op: Any, like: Any) -> None:
 
 __all__ += [
     "STRIDED_SHARD_UNDECODABLE_ERROR",
+    "install_replicate_dims_guard",
     "install_strided_shard_greedy_redistribution",
     "register_dtensor_op_strategy_like",
 ]

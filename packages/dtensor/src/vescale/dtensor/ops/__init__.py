@@ -1,5 +1,6 @@
 """veScale's DTensor sharding strategies, one module per op family; importing registers them
-(and installs the all-to-all redistribution of :mod:`vescale.dtensor.shard_alltoall`).
+(and installs the all-to-all redistribution of :mod:`vescale.dtensor.shard_alltoall`, and
+redistribution plans that leave a mesh dim on which a tensor stays Replicate untouched).
 
 Everything here extends stock PyTorch through ``register_sharding`` (public) or, where a
 strategy needs more, through :mod:`vescale.dtensor._compat`. :mod:`.coverage` reports
@@ -15,6 +16,7 @@ Example::
 
 # Shard(i) -> Shard(j) as one all-to-all on every backend is part of the same completion of DTensor.
 import vescale.dtensor.shard_alltoall  # noqa: F401
+from vescale.dtensor import _compat
 from vescale.dtensor.ops import (
     attention,
     backports,
@@ -32,6 +34,10 @@ from vescale.dtensor.ops import (
     views,
 )
 from vescale.dtensor.ops.coverage import OpCoverageRecorder, OpCoverageReport, has_sharding_strategy, op_name
+
+# The redistributions that strategies insert must not mix the batches held under a Replicate
+# data-parallel mesh dim (see _compat.install_replicate_dims_guard).
+_compat.install_replicate_dims_guard()
 
 __all__ = [
     "OpCoverageRecorder",

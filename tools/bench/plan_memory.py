@@ -34,9 +34,6 @@ here). The estimate models tensors, as a device's allocator reports them.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
-import re
 
 import torch
 import torch.distributed as dist
@@ -86,24 +83,6 @@ def llama_config():
     )
 
 
-def _resident() -> int:
-    from vescale.dtensor.testing.memory import release_free_heap, resident_bytes
-
-    release_free_heap()
-    return resident_bytes()
-
-
-def _high_water_mark() -> int:
-    with open("/proc/self/status") as status:
-        return int(re.search(r"VmHWM:\s+(\d+) kB", status.read()).group(1)) * 1024
-
-
-def _reset_high_water_mark() -> None:
-    _resident()  # malloc_trim first, so that free heap pages do not hold the mark up
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-
-
 def _warm_up() -> None:
     """One training step of a tiny model: the one-time set-up of the libraries is not the plan's."""
     from transformers import LlamaForCausalLM
@@ -140,28 +119,21 @@ def _build(plan_json: str, mesh):
     return model
 
 
-def _fix_mmap_threshold() -> None:
-    """Have glibc ``mmap`` every allocation from 128 KiB up, and so unmap it on free.
-
-    By default glibc raises its mmap threshold to the size of each large block freed (up to
-    32 MiB), after which tensors of that size come from the heap and, once freed, stay in the
-    resident set until a ``malloc_trim``: the resident set then measures glibc's caching, not
-    the tensors alive. A fixed threshold keeps it following live tensor memory.
-    """
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    m_mmap_threshold = -3  # glibc's malloc.h
-    libc.mallopt(m_mmap_threshold, 128 * 1024)
-
-
 def measure_rank(plan_json: str, steps: int, glibc_default: bool) -> dict:
     from vescale.doptim import DistributedOptimizer
     from vescale.dtensor import init_mesh
-    from vescale.dtensor.testing.memory import PeakResident
+    from vescale.dtensor.testing.memory import (
+        PeakResident,
+        fix_mmap_threshold,
+        high_water_mark_bytes,
+        reset_high_water_mark,
+        trimmed_resident_bytes,
+    )
     from vescale.planner import Plan
 
     plan = Plan.from_json(plan_json)
     if not glibc_default:
-        _fix_mmap_threshold()
+        fix_mmap_threshold()
     mesh = init_mesh(**{dim: size for dim, size in plan.mesh if size > 1})
     _warm_up()
     dp_rank = mesh.get_local_rank("dp") if plan.mesh_size("dp") > 1 else 0
@@ -170,8 +142,8 @@ def measure_rank(plan_json: str, steps: int, glibc_default: bool) -> dict:
     share = plan.global_batch_size // plan.mesh_size("dp")
     micro_batches = rows[dp_rank * share : (dp_rank + 1) * share].split(plan.micro_batch_size)
     dist.barrier()
-    _reset_high_water_mark()
-    base = _resident()
+    reset_high_water_mark()
+    base = trimmed_resident_bytes()
     forward_growth = 0
     with PeakResident() as sampled:
         model = _build(plan_json, mesh)
@@ -180,16 +152,16 @@ def measure_rank(plan_json: str, steps: int, glibc_default: bool) -> dict:
             optimizer = DistributedOptimizer(optimizer)
         for _ in range(steps):
             for input_ids in micro_batches:
-                before_forward = _resident()
+                before_forward = trimmed_resident_bytes()
                 output = model(input_ids=input_ids, labels=input_ids, use_cache=False)
                 # What the forward keeps (the last step's: the optimizer state exists by then).
-                forward_growth = _resident() - before_forward
+                forward_growth = trimmed_resident_bytes() - before_forward
                 output.loss.backward()
                 del output
             optimizer.step()
             optimizer.zero_grad()
     return {
-        "peak": _high_water_mark() - base,
+        "peak": high_water_mark_bytes() - base,
         "sampled peak": sampled.peak - base,
         "forward": forward_growth,
     }

@@ -14,10 +14,6 @@ below 5% of this model's ~130 MiB.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import re
-
 import torch
 
 from vescale.dtensor.testing import run_on_ranks
@@ -40,33 +36,26 @@ def llama_config():
     )
 
 
-def resident_after_trim() -> int:
-    from vescale.dtensor.testing.memory import release_free_heap, resident_bytes
-
-    release_free_heap()
-    return resident_bytes()
-
-
-def high_water_mark() -> int:
-    with open("/proc/self/status") as status:
-        return int(re.search(r"VmHWM:\s+(\d+) kB", status.read()).group(1)) * 1024
-
-
 def measured_training_peak() -> int:
     from transformers import LlamaForCausalLM
 
+    from vescale.dtensor.testing.memory import (
+        fix_mmap_threshold,
+        high_water_mark_bytes,
+        reset_high_water_mark,
+        trimmed_resident_bytes,
+    )
     from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
 
-    ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    fix_mmap_threshold()
     warm_up = LlamaForCausalLM(tiny_hf_config("llama"))
     warm_up(
         input_ids=torch.zeros(2, 8, dtype=torch.long), labels=torch.zeros(2, 8, dtype=torch.long)
     ).loss.backward()
     del warm_up
     input_ids = torch.randint(0, 4096, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1))
-    base = resident_after_trim()
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")  # the high-water mark restarts from the current resident set
+    base = trimmed_resident_bytes()
+    reset_high_water_mark()  # the high-water mark restarts from the current resident set
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -74,7 +63,7 @@ def measured_training_peak() -> int:
         model(input_ids=input_ids, labels=input_ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    return high_water_mark() - base
+    return high_water_mark_bytes() - base
 
 
 def test_generate_plan_estimate_is_within_15_percent_of_the_measured_peak():

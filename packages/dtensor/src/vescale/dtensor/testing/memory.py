@@ -26,7 +26,16 @@ import sys
 import threading
 import time
 
-__all__ = ["PeakResident", "fresh_process_peak_growth", "release_free_heap", "resident_bytes"]
+__all__ = [
+    "PeakResident",
+    "fix_mmap_threshold",
+    "fresh_process_peak_growth",
+    "high_water_mark_bytes",
+    "release_free_heap",
+    "reset_high_water_mark",
+    "resident_bytes",
+    "trimmed_resident_bytes",
+]
 
 
 def resident_bytes() -> int:
@@ -41,6 +50,47 @@ def release_free_heap() -> None:
     libc = ctypes.CDLL(name) if name else None
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+def trimmed_resident_bytes() -> int:
+    """:func:`resident_bytes` after :func:`release_free_heap`: live memory, not malloc's free pages."""
+    release_free_heap()
+    return resident_bytes()
+
+
+def high_water_mark_bytes() -> int:
+    """The kernel's peak resident-set size of this process (``VmHWM``), in bytes: exact, no sampling.
+
+    Example::
+
+        reset_high_water_mark(); base = resident_bytes(); train(); growth = high_water_mark_bytes() - base
+    """
+    with open("/proc/self/status") as status:
+        kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    return kib * 1024
+
+
+def reset_high_water_mark() -> None:
+    """Restart the kernel's high-water mark from the current resident set (Linux ``clear_refs``),
+    after handing malloc's free pages back so that they do not hold the mark up."""
+    release_free_heap()
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def fix_mmap_threshold(threshold_bytes: int = 128 * 1024) -> None:
+    """Have glibc ``mmap`` every allocation from ``threshold_bytes`` up, and so unmap it on free.
+
+    By default glibc raises its mmap threshold to the size of each large block freed (up to
+    32 MiB), after which tensors of that size come from the heap and, once freed, stay in the
+    resident set until a ``malloc_trim``: the resident set then measures glibc's caching, not
+    the tensors alive. A fixed threshold keeps it following live tensor memory.
+    """
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "mallopt"):
+        m_mmap_threshold = -3  # glibc's malloc.h
+        libc.mallopt(m_mmap_threshold, threshold_bytes)
 
 
 class PeakResident:
@@ -77,21 +127,15 @@ class PeakResident:
         self.peak = max(self.peak, resident_bytes())
 
 
-# Writing 5 to clear_refs resets the kernel's peak-RSS mark (VmHWM) to the current RSS, so the
-# peak read after the statement is the statement's own, to the page, with no sampling.
+# The statement's own peak: the mark restarts just before it, from the resident set then.
 _PEAK_GROWTH_SCRIPT = """
 import json, sys
+from vescale.dtensor.testing.memory import high_water_mark_bytes, reset_high_water_mark, resident_bytes
 {setup}
-
-def status_kib(field):
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field))
-
-with open("/proc/self/clear_refs", "w") as clear_refs:
-    clear_refs.write("5")
-before = status_kib("VmRSS:")
+reset_high_water_mark()
+before = resident_bytes()
 {statement}
-print(json.dumps({{"growth_bytes": (status_kib("VmHWM:") - before) * 1024}}))
+print(json.dumps({{"growth_bytes": high_water_mark_bytes() - before}}))
 """
 
 

@@ -25,11 +25,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from vescale.dmodule.experts import is_expert_parameter
+
 __all__ = ["from_wire", "local_tensor", "mesh_of", "to_wire"]
 
 
 def mesh_of(module: nn.Module) -> DeviceMesh | None:
     """The mesh of ``module``'s DTensor parameters (``None`` for a plain module).
+
+    Expert-parallel experts (:func:`vescale.dmodule.experts.parallelize_experts`) do not count:
+    they are DTensors over ``ep`` while the rest of the model, and so its hidden state, may be
+    plain (the experts take and give back whatever the model passes them).
 
     Example::
 
@@ -37,7 +43,7 @@ def mesh_of(module: nn.Module) -> DeviceMesh | None:
         assert mesh is None or "tp" in mesh.mesh_dim_names
     """
     for parameter in module.parameters():
-        if isinstance(parameter, DTensor):
+        if isinstance(parameter, DTensor) and not is_expert_parameter(parameter):
             return parameter.device_mesh
     return None
 

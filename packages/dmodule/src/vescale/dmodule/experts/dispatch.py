@@ -21,6 +21,11 @@ parameters still get a zero gradient (they stay in the graph through an empty ma
 most ``ceil(capacity_factor · tokens · k / E)`` pairs per expert, the first ones in token
 order, and drops the rest (their output is zero); the count dropped is returned.
 
+**Passes without data** (fake or meta tensors: dpipe's trace, which finds the module order
+and FLOPs before a pipeline split) exchange nothing: routing is data-dependent, so the pass
+stands for a balanced step instead, each rank's experts computing as many rows as its
+tokens send (tokens·k, spread evenly over its local experts), and combining them locally.
+
 The all-to-alls are labelled with :func:`vescale.dtensor.comm.comm_scope`
 (``<scope>/counts``, ``<scope>/dispatch``, ``<scope>/combine``) so a
 :class:`~vescale.dtensor.comm.CommCounter` sums them per module.
@@ -42,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from vescale.dtensor.comm import comm_scope
+from vescale.dtensor.grouped_mm_shapes import holds_no_data
 
 __all__ = ["RoutePlan", "all_to_all", "dispatch_and_combine", "plan_routes"]
 
@@ -160,6 +166,24 @@ def plan_routes(
     return RoutePlan(order, input_splits, output_splits, regroup, received_by_rank.sum(0), dropped)
 
 
+def _balanced_without_data(
+    hidden_states: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    local_experts: LocalExperts,
+    num_experts: int,
+    group: Any,
+) -> torch.Tensor:
+    """The shapes and FLOPs of a balanced step on tensors without data; no collective is issued."""
+    num_tokens, top_k = top_k_weights.shape
+    local_count = num_experts // dist.get_world_size(group)
+    rows = num_tokens * top_k
+    counts = [rows // local_count + (index < rows % local_count) for index in range(local_count)]
+    pairs = hidden_states.repeat_interleave(top_k, dim=0)
+    outputs = local_experts(pairs, torch.tensor(counts, device=pairs.device))
+    weighted = outputs.view(num_tokens, top_k, -1) * top_k_weights.unsqueeze(-1).to(outputs.dtype)
+    return weighted.sum(dim=1).to(hidden_states.dtype)
+
+
 def dispatch_and_combine(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -182,6 +206,8 @@ def dispatch_and_combine(
                                             num_experts=8, group=ep_group, scope="layers.1.mlp.experts")
     """
     num_tokens, top_k = top_k_index.shape
+    if holds_no_data(hidden_states):
+        return _balanced_without_data(hidden_states, top_k_weights, local_experts, num_experts, group), 0
     plan = plan_routes(top_k_index, num_experts, group, capacity_factor=capacity_factor, scope=scope)
     sent = hidden_states[plan.order // top_k]
     received = all_to_all(sent, plan.output_splits, plan.input_splits, group, f"{scope}/dispatch")

@@ -3,7 +3,8 @@
 Mixtral, Qwen3-MoE, DeepSeek-V3 and OLMoE at tiny sizes: 8 experts, top-2, router logits
 (and the load-balancing loss where the model has one) on, every other config field at the
 architecture's default (tied embeddings, norms, biases, GQA ratio). DeepSeek-V3 keeps one
-dense layer first and routes within the best 2 of 4 groups of 2 experts. The global batch
+dense layer first, routes within the best 2 of 4 groups of 2 experts and has as many key/value
+heads as query heads (its default). The global batch
 is split over the batch ranks (dp outer, ep inner), each taking an equal share of rows.
 
 ``transformers`` is a test dependency: it is imported only when a model is built.
@@ -82,7 +83,10 @@ def _config(name: str) -> Any:
             qk_nope_head_dim=4,
             v_head_dim=8,
             head_dim=4,  # type: ignore[call-arg]  # as above
-            **sizes,
+            # DeepSeek-V3's default: as many key/value heads as query heads (multi-head latent
+            # attention). With fewer, transformers repeats its keys into too many heads whenever
+            # SDPA gets a mask (padding, or a pass on fake tensors such as dpipe's trace) and fails.
+            **{**sizes, "num_key_value_heads": sizes["num_attention_heads"]},
         )
     raise ValueError(f"unknown tiny MoE model {name!r}; choose one of {MOE_MODELS}")
 

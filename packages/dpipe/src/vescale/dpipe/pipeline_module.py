@@ -5,7 +5,9 @@ call cuts the batch into micro-batches, runs the forward and backward passes of 
 micro-batch on every stage, sums tied parameters' gradients across the stages that hold
 them and returns the model's own output type. ``out.loss`` is the mean of the micro-batch
 losses on every rank and its ``backward()`` does nothing (the schedule already ran it).
-Under ``torch.no_grad()`` or ``model.eval()`` the call runs forward only.
+Under ``torch.no_grad()`` or ``model.eval()`` the call runs forward only. A ``transformers``
+MoE model's load-balancing loss is that of all its layers, as without a pipeline: the
+routers' statistics travel from stage to stage (:mod:`vescale.dmodule.experts.router_statistics`).
 
 Example::
 
@@ -25,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
+from vescale.dmodule.experts import carry_router_statistics
 from vescale.dpipe.activation_meter import ActivationMeter
 from vescale.dpipe.errors import MicrobatchError, PipelinePlanError
 from vescale.dpipe.finished_loss import loss_with_backward_done
@@ -78,8 +81,11 @@ class PipelineModule(nn.Module):
         router = StageRouter(model, layout, trace, self.stage_indices)
         model_kwargs = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
         self.activation_meter = ActivationMeter()
+        # The MoE load-balancing loss of transformers needs every layer's router statistics.
+        router_statistics = carry_router_statistics(model)
+        carries = (router_statistics,) if router_statistics is not None else ()
         self._stage_modules = [
-            PipelineStageModule(model, router, index, model_kwargs, self.activation_meter)
+            PipelineStageModule(model, router, index, model_kwargs, self.activation_meter, carries)
             for index in self.stage_indices
         ]
         self._schedules: dict[tuple[Any, ...], Any] = {}

@@ -8,6 +8,12 @@ first module another pre-hook stops the forward by raising :class:`_StageExit` w
 module's input, which is what the stage sends on. Masks, position ids and rotary tables are
 recomputed by each stage from the batch, exactly as the model computes them.
 
+Values that a model computes from *all* its layers at the end of the forward (the MoE
+load-balancing loss of ``transformers``) are carried: a :class:`StageCarry` starts each stage
+from what the previous stage sent (the first stage from nothing), accumulates while the
+stage runs, and its value travels to the next stage after the hidden state. Being part of
+the stage's output, its gradient comes back with the hidden state's.
+
 Example::
 
     router = StageRouter(model, layout, trace, local_stages=[1])
@@ -18,8 +24,8 @@ Example::
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -30,7 +36,21 @@ from vescale.dpipe.errors import PipelineCutError
 from vescale.dpipe.split import StageLayout
 from vescale.dpipe.tracing import ModelTrace
 
-__all__ = ["PipelineStageModule", "StageRouter"]
+__all__ = ["PipelineStageModule", "StageCarry", "StageRouter"]
+
+
+class StageCarry(Protocol):
+    """A value accumulated over the stages of one micro-batch's forward, sent after the hidden state.
+
+    Example: :class:`vescale.dmodule.experts.RouterStatistics` (the routers' load-balancing
+    statistics, which the last stage turns into the loss of every layer).
+    """
+
+    def start(self, received: torch.Tensor | None, batch: Mapping[str, Any]) -> None:
+        """Before a stage's forward: the previous stage's value (``None`` on the first stage)."""
+
+    def finish(self) -> torch.Tensor:
+        """After it (also on error): the value to send on; the carry is idle again."""
 
 
 class _StageExit(Exception):
@@ -140,9 +160,11 @@ class PipelineStageModule(nn.Module):
         stage_index: int,
         model_kwargs: dict[str, Any],
         activation_meter: ActivationMeter | None = None,
+        carries: Sequence[StageCarry] = (),
     ) -> None:
         super().__init__()
         self.stage_index = stage_index
+        self.carries = tuple(carries)
         # Shared by the stages of a rank, so that its peak counts all of their micro-batches.
         self.activation_meter = activation_meter if activation_meter is not None else ActivationMeter()
         self.is_last = stage_index == router.layout.num_stages - 1
@@ -159,16 +181,24 @@ class PipelineStageModule(nn.Module):
         model, router, model_kwargs = self._stage_context
         # A tensor-parallel stage receives plain tensors and runs on DTensors (see dtensor_boundary).
         hidden_state = from_wire(received[0], mesh_of(self)) if received else None
+        carried = received[1:]
+        for index, carry in enumerate(self.carries):
+            carry.start(carried[index] if index < len(carried) else None, batch)
         router.active_stage, router.received = self.stage_index, hidden_state
         saved_storages: dict[int, int] = {}
+        exit_state: torch.Tensor | None = None
         try:
             with self.activation_meter.recording(self.parameters()) as saved_storages:
                 output = model(**batch, **model_kwargs)
         except _StageExit as stage_exit:
-            return to_wire(stage_exit.hidden_state)
+            exit_state = stage_exit.hidden_state
         finally:
             router.active_stage, router.received = None, None
             self.saved_activation_bytes = sum(saved_storages.values())
+            # A clone: a stage without routers would otherwise send back its own input tensor.
+            sent = tuple(carry.finish().clone() for carry in self.carries)
+        if exit_state is not None:
+            return (to_wire(exit_state), *sent) if sent else to_wire(exit_state)
         if not self.is_last:
             raise PipelineCutError(
                 f"stage {self.stage_index} ran to the end of the model's forward without reaching "

@@ -239,9 +239,10 @@ def _parallel_module(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> nn.Modul
         _apply_tensor_parallel(model, mesh, sharding_plan)
     if expert_parallel:
         _apply_expert_parallel(plan, model, mesh)
-    elif plan.mesh_size("dp") > 1 and plan.pipeline is None:
+    elif plan.mesh_size("dp") > 1:
         # Experts replicated over dp: the load-balancing loss is still the global batch's (transformers
-        # computes it from each rank's own tokens, which is not the single-device loss).
+        # computes it from each rank's own tokens, which is not the single-device loss). Under a
+        # pipeline, dpipe carries the statistics from stage to stage and the last stage's hook uses them.
         attach_global_aux_loss(model, mesh, batch_dims=("dp",))
     if plan.mixed_precision == "bf16" and plan.data_parallel.zero_stage < 3:
         model.to(torch.bfloat16)

@@ -13,8 +13,10 @@ Example::
 
 from vescale.dmodule.experts.aux_loss import (
     attach_global_aux_loss,
+    carry_router_statistics,
     computes_load_balancing_loss,
     global_load_balancing_loss,
+    load_balancing_loss,
 )
 from vescale.dmodule.experts.detect import MoEBlock, find_moe_blocks
 from vescale.dmodule.experts.dispatch import RoutePlan, all_to_all, dispatch_and_combine, plan_routes
@@ -30,6 +32,11 @@ from vescale.dmodule.experts.parallelize import (
     parallelize_experts,
 )
 from vescale.dmodule.experts.router_precision import route_in_float32
+from vescale.dmodule.experts.router_statistics import (
+    RouterStatistics,
+    load_balancing_statistics,
+    router_statistics_of,
+)
 from vescale.dmodule.experts.sharding import expert_parameter_fqns, tensor_parallel_outside_experts
 
 __all__ = [
@@ -38,11 +45,13 @@ __all__ = [
     "LocalExperts",
     "MoEBlock",
     "RoutePlan",
+    "RouterStatistics",
     "UnsupportedExpertsError",
     "all_to_all",
     "attach_global_aux_loss",
     "average_gradients",
     "batch_dims_of",
+    "carry_router_statistics",
     "computes_load_balancing_loss",
     "dispatch_and_combine",
     "dropped_pairs",
@@ -53,8 +62,11 @@ __all__ = [
     "gradient_reduction_dims",
     "grouped_mm_supported",
     "is_expert_parameter",
+    "load_balancing_loss",
+    "load_balancing_statistics",
     "parallelize_experts",
     "plan_routes",
     "route_in_float32",
+    "router_statistics_of",
     "tensor_parallel_outside_experts",
 ]

@@ -143,6 +143,16 @@ def rfc_script_runs(model_name: str, plan_names: list[str]) -> dict[str, dict]:
     return results
 
 
+def assert_run_matches(reference: ReferenceRun, run: dict, label: str, rank: int) -> None:
+    """One rank's run of one plan against the reference (losses, first-step gradients); rank 0
+    prints the errors."""
+    loss_error, gradient_error = assert_matches_reference(
+        reference, [run["losses"]], [run["gradients"]], loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL, label=label
+    )
+    if rank == 0:
+        print(f"{label}: loss {loss_error:.2e}, gradient {gradient_error:.2e} ({run['seconds']:.1f} s)")
+
+
 @pytest.mark.parametrize("model_name", ["llama", "gpt2", "mixtral"])
 def test_rfc_script_on_4_ranks_matches_single_device_losses_and_gradients(model_name: str):
     plan_names = list(CONSTRAINED_PLANS)
@@ -156,19 +166,7 @@ def test_rfc_script_on_4_ranks_matches_single_device_losses_and_gradients(model_
     for rank, per_plan in enumerate(results):
         assert sorted(per_plan) == sorted(plan_names)
         for plan_name, run in per_plan.items():
-            label = f"{model_name} {plan_name} {run['mesh']} rank {rank}"
-            loss_error, gradient_error = assert_matches_reference(
-                reference,
-                [run["losses"]],
-                [run["gradients"]],
-                loss_rtol=LOSS_RTOL,
-                grad_rtol=GRAD_RTOL,
-                label=label,
-            )
-            if rank == 0:
-                print(
-                    f"{label}: loss {loss_error:.2e}, gradient {gradient_error:.2e} ({run['seconds']:.1f} s)"
-                )
+            assert_run_matches(reference, run, f"{model_name} {plan_name} {run['mesh']} rank {rank}", rank)
 
 
 def test_opt_under_dp2_tp2_sequence_parallel_matches_single_device():
@@ -181,14 +179,4 @@ def test_opt_under_dp2_tp2_sequence_parallel_matches_single_device():
     results = run_on_ranks(rfc_script_runs, world_size=WORLD_SIZE, args=("opt", [plan_name]), timeout_s=600)
     for rank, per_plan in enumerate(results):
         run = per_plan[plan_name]
-        label = f"opt {plan_name} {run['mesh']} rank {rank}"
-        loss_error, gradient_error = assert_matches_reference(
-            reference,
-            [run["losses"]],
-            [run["gradients"]],
-            loss_rtol=LOSS_RTOL,
-            grad_rtol=GRAD_RTOL,
-            label=label,
-        )
-        if rank == 0:
-            print(f"{label}: loss {loss_error:.2e}, gradient {gradient_error:.2e} ({run['seconds']:.1f} s)")
+        assert_run_matches(reference, run, f"opt {plan_name} {run['mesh']} rank {rank}", rank)

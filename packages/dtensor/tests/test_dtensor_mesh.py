@@ -95,3 +95,24 @@ def test_gloo_means_cpu_on_a_machine_with_an_accelerator(monkeypatch):
     assert device_type_for_backend("gloo") == "cpu"
     assert device_type_for_backend("cpu:gloo,cuda:nccl") == "cuda"
     assert device_type_for_backend("nccl") == "cuda"
+
+
+def meshes_of_two_models() -> dict:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    first, again, other = init_mesh(dp=2, tp=2), init_mesh(tp=2, dp=2), init_mesh(dp=4)
+    # A second model's parameters, some made through DTensor ops whose cached sharding decisions
+    # hold the first model's mesh: one mesh object, which FSDP2 needs.
+    weights = [distribute_tensor(torch.ones(4, 4), first, [Replicate(), Shard(0)]) for _ in range(2)]
+    doubled = weights[0] * 2
+    second = distribute_tensor(torch.ones(4, 4), again, [Replicate(), Shard(0)]) * 2
+    return {
+        "same object": first is again,
+        "other dims, other mesh": other is not first,
+        "op outputs on it": doubled.device_mesh is first and second.device_mesh is again,
+    }
+
+
+def test_the_same_dims_give_the_same_mesh_object():
+    for rank, results in enumerate(run_on_ranks(meshes_of_two_models, world_size=4)):
+        assert all(results.values()), (rank, results)

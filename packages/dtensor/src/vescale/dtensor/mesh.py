@@ -5,6 +5,11 @@ first in the canonical order ``pp``, ``dp``, ``ep``, ``tp`` (pipeline stages are
 apart, tensor-parallel peers closest), whatever order the caller gives them in. Size-1
 dimensions are kept, so that every parameter can live on the full named mesh.
 
+The same dimensions over the same process group give the same mesh object: a second model
+parallelized in the process (or the same model built again to load a checkpoint into another
+layout) shares its mesh with the first, and with every DTensor spec that DTensor's sharding
+cache kept from the first (FSDP2 takes exactly one mesh object for all parameters).
+
 Example::
 
     mesh = init_mesh(tp=2, dp=2)      # 4 processes: mesh.mesh_dim_names == ("dp", "tp")
@@ -99,7 +104,20 @@ def init_mesh(*, device_type: str | None = None, **dims: int) -> DeviceMesh:
             f"{world_size} processes; choose sizes whose product is {world_size}"
         )
     resolved_device = device_type or device_type_for_backend(dist.get_backend())
-    return init_device_mesh(resolved_device, shape, mesh_dim_names=names)
+    world_group = dist.group.WORLD
+    key = (id(world_group), resolved_device, names, shape)
+    cached = _MESHES.get(key)
+    # The entry keeps its group alive, so its id is not reused while the entry lives; a group
+    # destroyed and made again is another object and gets new meshes.
+    if cached is not None and cached[0] is world_group:
+        return cached[1]
+    mesh = init_device_mesh(resolved_device, shape, mesh_dim_names=names)
+    _MESHES[key] = (world_group, mesh)
+    return mesh
+
+
+# (id of the default group, device type, dim names, sizes) -> (that group, its mesh).
+_MESHES: dict[tuple[int, str, tuple[str, ...], tuple[int, ...]], tuple[object, DeviceMesh]] = {}
 
 
 def _world_size_or(default: int) -> int:

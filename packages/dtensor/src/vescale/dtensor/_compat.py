@@ -558,15 +558,22 @@ _REDISTRIBUTE_MODULE = "torch.distributed.tensor._redistribute"
 _PLANNER_ATTRIBUTE = "_gen_transform_infos_non_cached"
 
 
+def _redistribution_planner() -> tuple[Any, Any, Any, Any]:
+    """DTensor's redistribution module, its uncached planner (what the wrappers below replace),
+    the planner-object factory (for the greedy plan) and the cached planner (to clear)."""
+    module = importlib.import_module(_REDISTRIBUTE_MODULE)
+    plan = _private_attribute(_REDISTRIBUTE_MODULE, _PLANNER_ATTRIBUTE, None)
+    get_planner = _private_attribute(_REDISTRIBUTE_MODULE, "get_redistribute_planner", None)
+    cached_plan = _private_attribute(_REDISTRIBUTE_MODULE, "_gen_transform_infos", None)
+    return module, plan, get_planner, cached_plan
+
+
 def install_strided_shard_greedy_redistribution() -> None:
     """On torch 2.11/2.12, plan redistributions of undecodable ``_StridedShard`` greedily, as 2.13 does
     (idempotent; nothing on 2.13, where ``DTensorSpec`` raises a dedicated error that torch catches)."""
     if torch_version() >= (2, 13):
         return
-    module = importlib.import_module(_REDISTRIBUTE_MODULE)
-    plan = _private_attribute(_REDISTRIBUTE_MODULE, _PLANNER_ATTRIBUTE, None)
-    get_planner = _private_attribute(_REDISTRIBUTE_MODULE, "get_redistribute_planner", None)
-    cached_plan = _private_attribute(_REDISTRIBUTE_MODULE, "_gen_transform_infos", None)
+    module, plan, get_planner, cached_plan = _redistribution_planner()
     if getattr(plan, "vescale_greedy_fallback", False):
         return
 
@@ -616,10 +623,7 @@ def install_replicate_dims_guard() -> None:
         install_replicate_dims_guard()
         grad.redistribute(mesh, [Replicate(), _StridedShard(0, split_factor=2)])  # nothing over dp
     """
-    module = importlib.import_module(_REDISTRIBUTE_MODULE)
-    plan = _private_attribute(_REDISTRIBUTE_MODULE, _PLANNER_ATTRIBUTE, None)
-    get_planner = _private_attribute(_REDISTRIBUTE_MODULE, "get_redistribute_planner", None)
-    cached_plan = _private_attribute(_REDISTRIBUTE_MODULE, "_gen_transform_infos", None)
+    module, plan, get_planner, cached_plan = _redistribution_planner()
     if getattr(plan, "vescale_keeps_replicate_dims", False):
         return
 

@@ -118,3 +118,58 @@ def test_the_memory_estimate_counts_e_over_ep_experts():
     )
     # AdamW's two fp32 moments: the rest over dp x ep = 4, the experts (1/2 per rank) over dp = 2.
     assert zero1.optimizer_states == int(8 * ((total - experts) / 4 + experts / 2 / 2))
+
+
+def _mixtral_plan(budget_bytes: int, **constraints):
+    from vescale.dmodule.testing.moe_models import tiny_moe
+    from vescale.planner import generate_plan
+
+    budget = {"memory_per_device_gb": budget_bytes / 2**30, "sequence_length": 8}
+    return generate_plan(tiny_moe("mixtral"), {**budget, **constraints}, world_size=4)
+
+
+def test_the_planner_chooses_ep_when_the_replicated_experts_do_not_fit():
+    """Tiny Mixtral on 4 devices, fp32, one sequence of 8 tokens per rank: 1.09 MB per device with the
+    experts replicated (ZeRO-0; 0.62 MB under ZeRO-3), 0.63 MB at ep2, 0.43 MB at ep4 (estimates).
+    A budget of 0.8 MB fits only with the experts split: the rules take the smallest ep that fits
+    before a higher ZeRO stage (an all-to-all of the tokens instead of gathering every expert)."""
+    from vescale.dmodule.testing.moe_models import tiny_moe
+    from vescale.planner.memory import estimate_memory
+
+    plan = _mixtral_plan(800_000)
+    assert plan.mesh == (("pp", 1), ("dp", 2), ("ep", 2), ("tp", 1))
+    assert plan.data_parallel.zero_stage == 0 and "smallest ep size" in dict(plan.reasons)["expert_parallel"]
+    assert plan.memory_estimate.total <= 800_000
+    assert estimate_memory(tiny_moe("mixtral"), plan.parallel_choices()) == plan.memory_estimate
+    # Without ZeRO, nothing but ep makes it fit; at 0.5 MB only ep4 does.
+    assert _mixtral_plan(800_000, **{"zero.stage": 0}).mesh_size("ep") == 2
+    assert _mixtral_plan(500_000).mesh_size("ep") == 4
+
+
+def test_the_planner_keeps_experts_replicated_when_they_fit():
+    """With room for the replicated experts (2 MB) the plan is plain data parallelism: no all-to-all;
+    a dense model never gets an ep axis."""
+    from vescale.dtensor.testing.models.tiny_hf import build_tiny_hf_model
+    from vescale.planner import generate_plan
+
+    plan = _mixtral_plan(2_000_000)
+    assert plan.mesh == (("pp", 1), ("dp", 4), ("ep", 1), ("tp", 1))
+    assert dict(plan.reasons)["expert_parallel"].startswith("1: ")
+    llama = build_tiny_hf_model("llama")
+    assert generate_plan(llama, {"sequence_length": 8}, world_size=4).mesh_size("ep") == 1
+
+
+def test_the_memory_estimate_counts_the_dispatch_buffers():
+    """Under ep the temporaries at the end of backward include one MoE layer's all-to-all send and
+    receive buffers: 2 x tokens x top-k x hidden x 4 bytes (fp32)."""
+    from vescale.dmodule.testing.moe_models import tiny_moe
+    from vescale.planner.memory import ParallelChoices, stage_sizes
+    from vescale.planner.profile import profile_model
+
+    model = tiny_moe("mixtral")
+    profile = profile_model(model, 8)
+    (sizes,) = stage_sizes(profile, ParallelChoices(expert_parallel_size=4, sequence_length=8))
+    assert profile.expert_top_k == 2
+    assert sizes.dispatch_buffers == 2 * (8 * 2 * model.config.hidden_size * 4)
+    (replicated,) = stage_sizes(profile, ParallelChoices(data_parallel_size=4, sequence_length=8))
+    assert replicated.dispatch_buffers == 0

@@ -41,7 +41,18 @@ def explain_choices(
     return {
         "tensor_parallel": given("tensor_parallel_size", model_parallel),
         "pipeline_parallel": given("pipeline_parallel_size", model_parallel),
-        "data_parallel": given("data_parallel_size", f"the rest of the world: {dp} = world / (tp x pp)"),
+        "data_parallel": given(
+            "data_parallel_size",
+            f"the rest of the world: {dp} = world / (tp x pp"
+            + (" x ep)" if choices.expert_parallel_size > 1 else ")"),
+        ),
+        "expert_parallel": given(
+            "expert_parallel_size",
+            f"{choices.expert_parallel_size}: the smallest ep size (1/ep of each experts module per rank, "
+            f"tokens sent to their experts by all-to-all) with which the plan fits ({fits})"
+            if choices.expert_parallel_size > 1
+            else "1: the experts (if any) fit replicated, or the world does not split them",
+        ),
         "sequence_parallel": given(
             "sequence_parallel",
             "on with tensor parallelism: it divides the norms' activations too"

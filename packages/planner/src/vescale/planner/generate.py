@@ -12,7 +12,9 @@ memory budget per device:
    ``W / tp`` and is at most the number of repeated blocks; ``dp = W / (tp * pp)``;
 2. they are tried smallest ``tp * pp`` first (ties: larger ``tp``, as TP within a node is cheaper
    than PP across nodes); for each, activation checkpointing ``"none"``, ``"selective"`` then
-   ``"full"``, and ZeRO stages 0 to 3; the first that fits the budget
+   ``"full"``, and ZeRO stages 0 to 3, and innermost, for a model with MoE blocks, the expert-parallel
+   sizes ``ep`` (1 first, then each divisor of the world that splits every experts module into whole
+   experts; ``dp = W / (tp * pp * ep)``); the first that fits the budget
    (:mod:`vescale.planner.memory`) is the plan;
 3. sequence parallelism is on when ``tp > 1``; every constraint set by the user replaces the
    corresponding loop with its one value, and a combination that cannot hold raises
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,7 +47,7 @@ from vescale.dmodule.experts import find_moe_blocks
 from vescale.planner._assembly import assemble_plan
 from vescale.planner._cost_planning import plan_by_cost
 from vescale.planner._meta_forward import meta_parameters
-from vescale.planner._parallel_sizes import batches, parallel_sizes
+from vescale.planner._parallel_sizes import batches, divisors, parallel_sizes
 from vescale.planner.constraints import Constraints
 from vescale.planner.errors import ConstraintError, PlanError
 from vescale.planner.hardware import HardwareProfile, load_hardware
@@ -53,7 +56,7 @@ from vescale.planner.plan import Plan
 from vescale.planner.profile import ModelProfile, profile_model
 from vescale.planner.search import Cluster
 
-__all__ = ["default_memory_per_device_gb", "generate_plan"]
+__all__ = ["default_memory_per_device_gb", "expert_parallel_sizes", "generate_plan"]
 
 _GIB = 2**30
 _DEFAULT_SEQUENCE_LENGTH = 2048
@@ -219,12 +222,6 @@ def _rule_based_choice(
     profiles: dict[int, ModelProfile],
 ) -> tuple[ParallelChoices, MemoryEstimate]:
     """Megatron's rules: the first candidate in the rule order whose estimate fits the budget."""
-    # Expert parallelism (a constraint only, for now): the other sizes split what ep leaves, and the
-    # batch is split over dp x ep.
-    ep = constraints.expert_parallel_size or 1
-    sizes = parallel_sizes(
-        world_size // ep, constraints, per_node, auto.head_counts if auto else (), profiles[1].num_blocks
-    )
     mixed_precision = constraints.mixed_precision or "fp32"
     checkpointing = (
         [constraints.activation_checkpointing]
@@ -233,7 +230,9 @@ def _rule_based_choice(
     )
     zero_stages = [constraints.zero_stage] if constraints.zero_stage is not None else [0, 1, 2, 3]
     smallest = None
-    for (tp, pp, dp), recompute, zero in itertools.product(sizes, checkpointing, zero_stages):
+    for tp, pp, dp, ep, recompute, zero in _rule_order(
+        model, constraints, world_size, per_node, auto, profiles[1].num_blocks, checkpointing, zero_stages
+    ):
         split = batches(constraints, dp * ep, pp)
         if split is None or (zero > 0 and dp == 1 and constraints.zero_stage is None):
             continue
@@ -277,10 +276,62 @@ def _rule_based_choice(
     raise ConstraintError(
         f"no plan fits memory_per_device_gb={budget:.2f}: the smallest estimate is "
         f"{estimate.total / _GIB:.2f} GiB per device (tp={choices.tensor_parallel_size}, "
-        f"pp={choices.pipeline_parallel_size}, "
-        f"dp={choices.data_parallel_size}, ZeRO-{choices.zero_stage}, activation_checkpointing="
+        f"pp={choices.pipeline_parallel_size}, dp={choices.data_parallel_size}, "
+        f"ep={choices.expert_parallel_size}, ZeRO-{choices.zero_stage}, activation_checkpointing="
         f"{choices.activation_checkpointing!r}); use more devices, bf16, a smaller micro-batch or sequence"
     )
+
+
+def expert_parallel_sizes(model: nn.Module, constraints: Constraints, world_size: int) -> list[int]:
+    """The ep sizes a plan may use, smallest first: the constraint's, else 1 and every divisor of the
+    world size that splits each MoE block into whole experts per rank (only 1 without MoE blocks).
+
+    Example::
+
+        expert_parallel_sizes(tiny_moe("mixtral"), Constraints(), world_size=4)   # [1, 2, 4]
+    """
+    if constraints.expert_parallel_size is not None:
+        return [constraints.expert_parallel_size]
+    experts = [block.num_experts for block in find_moe_blocks(model)]
+    if not experts:
+        return [1]
+    return [ep for ep in divisors(world_size) if all(count % ep == 0 for count in experts)]
+
+
+def _rule_order(
+    model: nn.Module,
+    constraints: Constraints,
+    world_size: int,
+    per_node: int,
+    auto: AutoShardingResult | None,
+    blocks: int,
+    checkpointing: list[str],
+    zero_stages: list[int],
+) -> Iterator[tuple[int, int, int, int, str, int]]:
+    """``(tp, pp, dp, ep, checkpointing, ZeRO stage)`` in the rule order: the smallest model-parallel
+    size ``tp x pp`` first (module docstring); for each, checkpointing and ZeRO stages as before, and
+    the ep sizes innermost, smallest first: expert parallelism divides the experts' parameters,
+    gradients and optimizer state for one all-to-all of the tokens per MoE layer, where ZeRO-3 would
+    gather every expert each step."""
+    heads = auto.head_counts if auto else ()
+    by_model_parallel: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    error: ConstraintError | None = None
+    for ep in expert_parallel_sizes(model, constraints, world_size):
+        try:
+            sizes = parallel_sizes(world_size // ep, constraints, per_node, heads, blocks)
+        except ConstraintError as refused:
+            error = error or refused
+            continue
+        for tp, pp, dp in sizes:
+            by_model_parallel.setdefault((tp, pp), []).append((dp, ep))
+    if not by_model_parallel:
+        if error is None:  # expert_parallel_sizes always lists at least one size
+            raise ConstraintError(f"no parallel sizes for world {world_size} with {constraints.to_dict()}")
+        raise error
+    for tp, pp in sorted(by_model_parallel, key=lambda size: (size[0] * size[1], -size[0])):
+        for recompute, zero in itertools.product(checkpointing, zero_stages):
+            for dp, ep in by_model_parallel[tp, pp]:
+                yield tp, pp, dp, ep, recompute, zero
 
 
 def _tensor_parallel_analysis(

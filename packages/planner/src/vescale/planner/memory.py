@@ -32,8 +32,10 @@ pipeline stage holds for a :class:`ParallelChoices` (all sizes in bytes), and
 
 Under expert parallelism (``expert_parallel_size = ep > 1``) each rank holds E/ep of every
 experts module's parameters (tensor parallelism stays outside them), and ZeRO divides the rest
-by dp x ep (the batch ranks) and the experts by dp; the all-to-all send and receive buffers are
-not counted yet.
+by dp x ep (the batch ranks) and the experts by dp. While an MoE layer runs, its all-to-all
+buffers exist beside everything else: the ``tokens x top_k`` hidden states sent and as many
+received (a balanced routing), ``2 * micro_batch * sequence * top_k * hidden`` elements
+(temporaries in :mod:`vescale.planner.peak`).
 
 The :class:`MemoryEstimate` gives each part as held at the peak moment, and the short-lived
 buffers there (``temporaries``); ``total`` is the peak.
@@ -300,8 +302,18 @@ def _stage_sizes(profile: ModelProfile, choices: ParallelChoices, side: str) -> 
         last_activations=in_flight * last,
         loss_gradients=2 * largest_output,
         recompute=recompute,
+        dispatch_buffers=_dispatch_bytes(profile, choices),
     )
     return sizes, divisor
+
+
+def _dispatch_bytes(profile: ModelProfile, choices: ParallelChoices) -> float:
+    """One MoE layer's all-to-all send and receive buffers under expert parallelism (module docstring)."""
+    if choices.expert_parallel_size == 1 or not profile.expert_top_k:
+        return 0.0
+    # A block's input is the micro-batch's hidden states; every tp rank dispatches all of them.
+    hidden_states = profile.block_input_bytes * (0.5 if choices.mixed_precision == "bf16" else 1.0)
+    return 2.0 * profile.expert_top_k * hidden_states
 
 
 def _zero_elements(elements: float, expert_elements: float, dp: int, ep: int, sharded: bool) -> float:

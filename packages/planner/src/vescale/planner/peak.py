@@ -14,12 +14,13 @@ peak is the largest of three moments (all sizes are bytes on one device):
   gradient of the log-probabilities and of the logits), or under full activation
   checkpointing the recomputed block when that is larger; under ZeRO-3 FSDP2's unsharded
   parameters of the root module (embedding, head, final norm: not resharded after forward)
-  and of the block being computed;
+  and of the block being computed; under expert parallelism, after the loss's gradients, one
+  MoE layer's all-to-all buffers (beside the recomputed block);
 * **end of backward** (backward reaching the first block): every gradient this rank keeps
   (``1/dp`` under ZeRO-2/3, plus ZeRO-2's buckets in flight), the first block's activations
   (recomputed under full checkpointing) and the stage's first side; under ZeRO-3 the root,
   the block being computed, the next one FSDP2 prefetched and one block's unsharded gradients
-  before their reduce-scatter;
+  before their reduce-scatter; under expert parallelism one MoE layer's all-to-all buffers;
 * **optimizer step**: no activations; temporaries are the larger of the optimizer's
   per-tensor buffers (two tensors the size of the largest stepped tensor: AdamW's ``denom``
   and its square root) and, under ZeRO-1/2, the buffers of the parameter all-gather (this
@@ -70,6 +71,9 @@ class StageSizes:
     last_activations: float  # kept when backward reaches the first block: that block's and the first side's
     loss_gradients: float
     recompute: float  # under full checkpointing: a recomputed block beyond the head's activations
+    # Under expert parallelism: one MoE layer's all-to-all send and receive buffers, alive while the
+    # layer runs (in backward too: the transposed all-to-alls of its gradients).
+    dispatch_buffers: float = 0.0
 
 
 def peak_moments(
@@ -116,14 +120,14 @@ def peak_moments(
             first_gradients,
             state,
             sizes.activations,
-            unsharded + max(sizes.loss_gradients, sizes.recompute),
+            unsharded + max(sizes.loss_gradients, sizes.recompute + sizes.dispatch_buffers),
         ),
         "end of backward": (
             parameters,
             kept_gradients + in_flight,
             state,
             sizes.last_activations,
-            unsharded_in_backward,
+            unsharded_in_backward + sizes.dispatch_buffers,
         ),
         "optimizer step": (parameters, kept_gradients, state, 0.0, max(2 * stepped, all_gather)),
     }

@@ -34,6 +34,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from vescale.dmodule.experts import find_moe_blocks
 from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
 from vescale.planner._meta_forward import MetaValuePolicy
 from vescale.planner.errors import PlanError
@@ -75,6 +76,9 @@ class ModelProfile:
     module_parameters: dict[str, tuple[str, ...]]
     selective_kept: tuple[_SavedRecord, ...] = ()
     op_costs: tuple[OpCost, ...] = ()
+    # The largest top-k of the model's MoE routers (0 without MoE blocks): under expert parallelism
+    # each token's hidden state is sent to that many experts and comes back from them.
+    expert_top_k: int = 0
 
 
 def find_repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
@@ -307,4 +311,5 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
         module_parameters={fqn: names for fqn, names in owned.items() if names},
         selective_kept=tuple(record for _, record in kept.values()),
         op_costs=tuple(costs),
+        expert_top_k=max((block.top_k or 1 for block in find_moe_blocks(model)), default=0),
     )

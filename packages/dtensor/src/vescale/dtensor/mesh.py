@@ -18,6 +18,9 @@ Example::
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -105,19 +108,20 @@ def init_mesh(*, device_type: str | None = None, **dims: int) -> DeviceMesh:
         )
     resolved_device = device_type or device_type_for_backend(dist.get_backend())
     world_group = dist.group.WORLD
-    key = (id(world_group), resolved_device, names, shape)
-    cached = _MESHES.get(key)
-    # The entry keeps its group alive, so its id is not reused while the entry lives; a group
-    # destroyed and made again is another object and gets new meshes.
-    if cached is not None and cached[0] is world_group:
-        return cached[1]
+    # A default group destroyed and made again is another object: its meshes are made anew, and
+    # those of groups gone are dropped (the entries hold their group weakly).
+    for stale in [key for key, (group, _) in _MESHES.items() if group() is not world_group]:
+        del _MESHES[stale]
+    key = (resolved_device, names, shape)
+    if key in _MESHES:
+        return _MESHES[key][1]
     mesh = init_device_mesh(resolved_device, shape, mesh_dim_names=names)
-    _MESHES[key] = (world_group, mesh)
+    _MESHES[key] = (weakref.ref(world_group), mesh)
     return mesh
 
 
-# (id of the default group, device type, dim names, sizes) -> (that group, its mesh).
-_MESHES: dict[tuple[int, str, tuple[str, ...], tuple[int, ...]], tuple[object, DeviceMesh]] = {}
+# (device type, dim names, sizes) -> (the default group it was made over, weakly; the mesh).
+_MESHES: dict[tuple[str, tuple[str, ...], tuple[int, ...]], tuple[weakref.ref[Any], DeviceMesh]] = {}
 
 
 def _world_size_or(default: int) -> int:

@@ -126,38 +126,38 @@ def _result_tensors(result: Any) -> list[torch.Tensor]:
     return []
 
 
+_Parser = Callable[[tuple[Any, ...], Any], _Issued]
+
+
+def _returning(collective: str, group_arg: int, *, coalesced: bool = False) -> _Parser:
+    """How to read a functional collective that takes its input at ``args[0]`` (a list of inputs
+    when ``coalesced``) and its group at ``args[group_arg]``, and returns its outputs."""
+
+    def parse(args: tuple[Any, ...], result: Any) -> _Issued:
+        inputs = args[0] if coalesced else [args[0]]
+        return _Issued(collective, args[group_arg], inputs, _result_tensors(result))
+
+    return parse
+
+
 # (namespace, op) -> how to read its (args, result). Functional collectives return their
 # outputs; c10d ops write into tensors they were given and return a Work.
-_PARSERS: dict[tuple[str, str], Callable[[tuple[Any, ...], Any], _Issued]] = {
-    (_FUNCTIONAL, "all_reduce"): lambda a, r: _Issued("all_reduce", a[2], [a[0]], _result_tensors(r)),
+_PARSERS: dict[tuple[str, str], _Parser] = {
+    (_FUNCTIONAL, "all_reduce"): _returning("all_reduce", 2),
     (_FUNCTIONAL, "all_reduce_"): lambda a, r: _Issued("all_reduce", a[2], [a[0]], [a[0]]),
-    (_FUNCTIONAL, "all_reduce_coalesced"): lambda a, r: _Issued("all_reduce", a[2], a[0], _result_tensors(r)),
+    (_FUNCTIONAL, "all_reduce_coalesced"): _returning("all_reduce", 2, coalesced=True),
     (_FUNCTIONAL, "all_reduce_coalesced_"): lambda a, r: _Issued("all_reduce", a[2], a[0], a[0]),
-    (_FUNCTIONAL, "all_gather_into_tensor"): lambda a, r: _Issued(
-        "all_gather", a[2], [a[0]], _result_tensors(r)
-    ),
-    (_FUNCTIONAL, "all_gather_into_tensor_out"): lambda a, r: _Issued(
-        "all_gather", a[2], [a[0]], _result_tensors(r)
-    ),
-    (_FUNCTIONAL, "all_gather_into_tensor_coalesced"): lambda a, r: _Issued(
-        "all_gather", a[2], a[0], _result_tensors(r)
-    ),
-    (_FUNCTIONAL, "reduce_scatter_tensor"): lambda a, r: _Issued(
-        "reduce_scatter", a[3], [a[0]], _result_tensors(r)
-    ),
-    (_FUNCTIONAL, "reduce_scatter_tensor_out"): lambda a, r: _Issued(
-        "reduce_scatter", a[3], [a[0]], _result_tensors(r)
-    ),
-    (_FUNCTIONAL, "reduce_scatter_tensor_coalesced"): lambda a, r: _Issued(
-        "reduce_scatter", a[3], a[0], _result_tensors(r)
-    ),
+    (_FUNCTIONAL, "all_gather_into_tensor"): _returning("all_gather", 2),
+    (_FUNCTIONAL, "all_gather_into_tensor_out"): _returning("all_gather", 2),
+    (_FUNCTIONAL, "all_gather_into_tensor_coalesced"): _returning("all_gather", 2, coalesced=True),
+    (_FUNCTIONAL, "reduce_scatter_tensor"): _returning("reduce_scatter", 3),
+    (_FUNCTIONAL, "reduce_scatter_tensor_out"): _returning("reduce_scatter", 3),
+    (_FUNCTIONAL, "reduce_scatter_tensor_coalesced"): _returning("reduce_scatter", 3, coalesced=True),
     (_FUNCTIONAL, "all_to_all_single"): lambda a, r: _Issued(
         "all_to_all", a[3], [a[0]], _result_tensors(r), input_splits=a[2], output_splits=a[1]
     ),
     # DTensor's Shard(i) -> Shard(j) on NCCL: one op whose all-to-all this mode cannot see inside.
-    (_compat.DTENSOR_OP_NAMESPACE, "shard_dim_alltoall"): lambda a, r: _Issued(
-        "all_to_all", a[3], [a[0]], _result_tensors(r)
-    ),
+    (_compat.DTENSOR_OP_NAMESPACE, "shard_dim_alltoall"): _returning("all_to_all", 3),
     (_FUNCTIONAL, "broadcast"): lambda a, r: _Issued(
         "broadcast", a[2], [a[0]], _result_tensors(r), peer=a[1]
     ),

@@ -16,6 +16,7 @@ Example::
 
 from importlib.metadata import version as _distribution_version
 
+from vescale.dcheckpoint import errors
 from vescale.dcheckpoint.api import (
     AsyncSave,
     LoadResult,
@@ -25,25 +26,12 @@ from vescale.dcheckpoint.api import (
     read_index,
     save,
 )
-from vescale.dcheckpoint.errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointFormatError,
-    CheckpointMismatchError,
-    CheckpointNotFoundError,
-    CheckpointUsageError,
-)
+from vescale.dcheckpoint.errors import *  # noqa: F403  (every checkpoint error: errors.__all__)
 from vescale.dcheckpoint.hf import export_hf, load_hf
 from vescale.dcheckpoint.rng import RNGState
 
 __all__ = [
     "AsyncSave",
-    "CheckpointError",
-    "CheckpointExistsError",
-    "CheckpointFormatError",
-    "CheckpointMismatchError",
-    "CheckpointNotFoundError",
-    "CheckpointUsageError",
     "LoadResult",
     "RNGState",
     "SaveResult",
@@ -54,6 +42,7 @@ __all__ = [
     "prepare_async_save",
     "read_index",
     "save",
+    *errors.__all__,
 ]
 
 __version__ = _distribution_version("vescale-dcheckpoint")

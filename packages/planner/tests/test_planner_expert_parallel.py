@@ -173,3 +173,63 @@ def test_the_memory_estimate_counts_the_dispatch_buffers():
     assert sizes.dispatch_buffers == 2 * (8 * 2 * model.config.hidden_size * 4)
     (replicated,) = stage_sizes(profile, ParallelChoices(data_parallel_size=4, sequence_length=8))
     assert replicated.dispatch_buffers == 0
+
+
+def _meta_mixtral(num_experts: int):
+    import torch
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        num_local_experts=num_experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=4096,
+    )
+    with torch.device("meta"):
+        return transformers.MixtralForCausalLM(config)
+
+
+def _cost_plan(num_experts: int, world_size: int, **constraints):
+    from vescale.planner import generate_plan
+
+    given = {"hardware": "h100-80gb", "sequence_length": 1024, "mixed_precision": "bf16"}
+    given["global_batch_size"] = world_size  # one sequence per device unless told otherwise
+    return generate_plan(_meta_mixtral(num_experts), {**given, **constraints}, world_size=world_size)
+
+
+def test_the_cost_model_chooses_ep_when_the_all_to_all_costs_less_than_gathering_the_experts():
+    """A Mixtral-style model with 64 experts (3.3 B parameters, 3.0 B in experts), one 1024-token
+    sequence per device on two H100 nodes: ZeRO-3 over 16 ranks gathers every expert each
+    micro-batch across nodes; expert parallelism sends each token's hidden state to 2 experts. The
+    cost model picks ep (4 inside a node), and prices its all-to-alls in the breakdown."""
+    plan = _cost_plan(64, 16)
+    assert plan.mesh_size("ep") > 1, plan.mesh
+    assert dict(plan.performance.breakdown)["expert_parallel"] > 0
+    assert "fastest predicted" in dict(plan.reasons)["expert_parallel"]
+
+
+def test_the_cost_model_keeps_few_experts_replicated_and_prices_an_ep_constraint():
+    """8 experts on one node of 8 H100s, eight 4096-token sequences per device: ZeRO-3 hides its
+    gathers under the compute, and ep would only add all-to-alls, so ep stays 1 (with one
+    1024-token sequence per device the gathers are exposed and ep2 wins). With
+    expert_parallel.size=2 given, the cost model plans around it (no refusal): 4 all-to-alls per
+    MoE layer and micro-batch of tokens x top-k x hidden in bf16."""
+    from vescale.planner._collectives import all_to_all_seconds, axis_link
+    from vescale.planner.hardware import load_hardware
+
+    busy = _cost_plan(8, 8, global_batch_size=64, sequence_length=4096)
+    assert busy.mesh == (("pp", 1), ("dp", 8), ("ep", 1), ("tp", 1)), busy.mesh
+    assert "expert_parallel" not in dict(busy.performance.breakdown)
+    plan = _cost_plan(8, 8, **{"expert_parallel.size": 2, "activation_checkpointing": "none"})
+    assert plan.mesh_size("ep") == 2
+    tp = plan.mesh_size("tp")
+    link = axis_link(load_hardware("h100-80gb", world_size=8), 2, tp, 8)
+    layers = 8 // plan.mesh_size("pp")
+    hidden_states = plan.micro_batch_size * plan.sequence_length * 1024 * 2  # tokens x hidden x bf16
+    expected = plan.num_microbatches * layers * 4 * all_to_all_seconds(link, hidden_states * 2)
+    assert abs(dict(plan.performance.breakdown)["expert_parallel"] - expected) <= 1e-12 * expected

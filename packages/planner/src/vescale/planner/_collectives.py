@@ -18,7 +18,14 @@ from dataclasses import dataclass
 
 from vescale.planner.hardware import HardwareProfile
 
-__all__ = ["AxisLink", "all_gather_seconds", "all_reduce_seconds", "axis_link", "p2p_seconds"]
+__all__ = [
+    "AxisLink",
+    "all_gather_seconds",
+    "all_reduce_seconds",
+    "all_to_all_seconds",
+    "axis_link",
+    "p2p_seconds",
+]
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,15 @@ def all_reduce_seconds(link: AxisLink, nbytes: float) -> float:
 def all_gather_seconds(link: AxisLink, nbytes: float) -> float:
     """Ring all-gather (or reduce-scatter) of a ``nbytes`` result:
     ``(n-1) alpha + (n-1)/n * bytes / beta``."""
+    n = link.size
+    if n == 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+
+
+def all_to_all_seconds(link: AxisLink, nbytes: float) -> float:
+    """All-to-all of ``nbytes`` per rank, spread evenly: each rank keeps ``1/n`` and exchanges the rest
+    with the ``n - 1`` others, ``(n-1) alpha + (n-1)/n * bytes / beta``."""
     n = link.size
     if n == 1 or nbytes <= 0:
         return 0.0

@@ -37,7 +37,8 @@ def performance_of(
         performance_of(ranked[0], h100, world_size=64).mfu
     """
     c, cost = candidate.choices, candidate.cost
-    tokens = c.num_microbatches * c.micro_batch_size * c.data_parallel_size * c.sequence_length
+    batch_ranks = c.data_parallel_size * c.expert_parallel_size
+    tokens = c.num_microbatches * c.micro_batch_size * batch_ranks * c.sequence_length
     per_device = cost.model_flops / cost.step_time_s / world_size
     return Performance(
         hardware=hardware.name,
@@ -99,10 +100,11 @@ def plan_by_cost(
     reasons: dict[str, str],
     top_k: int = 5,
     rule_choice: ParallelChoices | None = None,
+    expert_sizes: tuple[int, ...] = (1,),
 ) -> Plan:
     """The fastest predicted plan (:mod:`vescale.planner.search`) as a :class:`Plan` with its
     ``performance`` section; ``rule_choice`` (the rule-based planner's choice) is costed too and
-    reported in the reasons.
+    reported in the reasons; ``expert_sizes`` are the ep sizes to search (a model with MoE blocks).
 
     Example::
 
@@ -119,6 +121,7 @@ def plan_by_cost(
         sharding_plans={False: auto.plan, True: auto.plan} if auto else {},
         head_counts=auto.head_counts if auto else (),
         sequence_length=profile.sequence_length,
+        expert_sizes=expert_sizes,
     )
     best = ranked[0]
     c = best.choices
@@ -130,6 +133,7 @@ def plan_by_cost(
         "tensor_parallel": "tensor_parallel_size",
         "pipeline_parallel": "pipeline_parallel_size",
         "data_parallel": "data_parallel_size",
+        "expert_parallel": "expert_parallel_size",
         "zero_stage": "zero_stage",
         "activation_checkpointing": "activation_checkpointing",
         "mixed_precision": "mixed_precision",
@@ -144,11 +148,17 @@ def plan_by_cost(
             hardware,
             devices_per_node=per_node,
         )
-        samples = rule_choice.data_parallel_size * rule_choice.micro_batch_size * rule_choice.num_microbatches
+        samples = (
+            rule_choice.data_parallel_size
+            * rule_choice.expert_parallel_size
+            * rule_choice.micro_batch_size
+            * rule_choice.num_microbatches
+        )
         ratio = from_rules.step_time_s / samples / seconds_per_sample(best)
         reasons["rule_based_choice"] = (
             f"tp={rule_choice.tensor_parallel_size} pp={rule_choice.pipeline_parallel_size} dp="
-            f"{rule_choice.data_parallel_size} ZeRO-{rule_choice.zero_stage} {rule_choice.mixed_precision} "
+            f"{rule_choice.data_parallel_size} ep={rule_choice.expert_parallel_size} "
+            f"ZeRO-{rule_choice.zero_stage} {rule_choice.mixed_precision} "
             f"{rule_choice.activation_checkpointing!r}: predicted {from_rules.step_time_s:.4g} s, "
             f"{ratio:.2f}x the chosen plan's time per sample"
         )

@@ -21,6 +21,13 @@ From the per-op records of the meta-tensor forward (:mod:`vescale.planner.op_cos
   reduce-scatters beyond the block compute they are prefetched under (every micro-batch;
   under a pipeline once per step, as FSDP2 keeps a stage gathered across micro-batches; all
   of it where the profile says communication does not overlap, as on CPU ranks);
+* **expert_parallel** (``ep > 1``): per micro-batch and MoE layer of the stage, four all-to-alls
+  of the layer's ``tokens x top_k`` hidden states over the ``ep`` axis (dispatch and combine in
+  forward, their transposes in backward; six under full recomputation), each rank keeping
+  ``1/ep`` of them; each rank computes E/ep experts on as many rows as it sends (balanced
+  routing), so compute is unchanged, and its parameters are E/ep of the experts' plus the rest;
+  gradients are reduced over the batch ranks ``dp x ep`` (the experts' over ``dp`` only: their
+  traffic is counted on the wider ring, an overestimate);
 * **optimizer**: AdamW reads and writes ~28 bytes per local fp32 element (32 with bf16
   masters), memory-bound, plus the profile's eager ops per parameter tensor (CPU: ~12).
 
@@ -42,12 +49,13 @@ from vescale.planner._collectives import (
     AxisLink,
     all_gather_seconds,
     all_reduce_seconds,
+    all_to_all_seconds,
     axis_link,
     p2p_seconds,
 )
 from vescale.planner.errors import PlanError
 from vescale.planner.hardware import HardwareProfile
-from vescale.planner.memory import ParallelChoices, _column_input, _tp_sharded
+from vescale.planner.memory import _EXPERT_PARAMETER, ParallelChoices, _column_input, _tp_sharded
 from vescale.planner.op_costs import OpCost
 from vescale.planner.profile import ModelProfile
 
@@ -72,8 +80,9 @@ class _Part:
     backward: float = 0.0
     memory_forward: float = 0.0  # of which memory-bound ops (what selective recomputes)
     tp_forward: float = 0.0  # tensor-parallel communication, forward
-    parameter_elements: float = 0.0  # local elements after tensor parallelism
+    parameter_elements: float = 0.0  # local elements after tensor and expert parallelism
     parameter_tensors: int = 0
+    routes_tokens: bool = False  # an MoE layer: its tokens cross the ep axis by all-to-all
 
 
 def _op_seconds(
@@ -135,8 +144,8 @@ def op_parts(
 ) -> dict[int | str, _Part]:
     """Block index (or ``"first"``/``"last"`` for the outside sides) -> its per-micro-batch times.
 
-    Depends only on ``tp``, sequence parallelism, mixed precision, the sharding plan and the
-    micro-batch size of ``choices``: a search computes it once per such key and passes it to
+    Depends only on ``tp``, ``ep``, sequence parallelism, mixed precision, the sharding plan and
+    the micro-batch size of ``choices``: a search computes it once per such key and passes it to
     :func:`predict_step` and :func:`balanced_split`.
     """
     scale = choices.micro_batch_size / profile.micro_batch_size
@@ -163,7 +172,13 @@ def op_parts(
                 f"tensor_parallel_size={tp} but the choices carry no sharding_plan to cost parameter "
                 f"{record.fqn!r} with; give ParallelChoices the tensor-parallel plan"
             )
-        local = record.numel / (tp if plan is not None and tp > 1 and _tp_sharded(plan, record.fqn) else 1)
+        if _EXPERT_PARAMETER.search(record.fqn):
+            parts.setdefault(key, _Part()).routes_tokens = True
+            local = record.numel / choices.expert_parallel_size  # tensor parallelism stays outside
+        else:
+            local = record.numel / (
+                tp if plan is not None and tp > 1 and _tp_sharded(plan, record.fqn) else 1
+            )
         parts.setdefault(key, _Part()).parameter_elements += local
         parts[key].parameter_tensors += 1
     return parts
@@ -273,8 +288,14 @@ def predict_step(
     parts = parts if parts is not None else op_parts(profile, choices, hardware)
     recompute = choices.activation_checkpointing
     microbatches = choices.num_microbatches
-    dp_link = axis_link(hardware, dp, tp, per_node)
-    pp_link = axis_link(hardware, pp, tp * dp, per_node)
+    ep = choices.expert_parallel_size
+    # Gradients are reduced over the batch ranks: dp x ep (canonical order pp, dp, ep, tp).
+    dp_link = axis_link(hardware, dp * ep, tp, per_node)
+    ep_link = axis_link(hardware, ep, tp, per_node)
+    pp_link = axis_link(hardware, pp, tp * dp * ep, per_node)
+    activation_bytes = profile.block_input_bytes * choices.micro_batch_size / profile.micro_batch_size
+    activation_bytes *= 0.5 if choices.mixed_precision == "bf16" else 1.0
+    all_to_alls = 6 if recompute == "full" else 4
     grad_bytes = 2.0 if choices.mixed_precision == "bf16" else 4.0
     worst: tuple[float, dict[str, float]] | None = None
     for index, blocks in enumerate(_stage_blocks(profile.num_blocks, pp, stage_split)):
@@ -301,7 +322,7 @@ def predict_step(
             microbatches,
             hardware.overlaps_communication,
         )
-        local = elements / (dp if choices.zero_stage >= 1 else 1)
+        local = elements / (dp * ep if choices.zero_stage >= 1 else 1)
         # Memory-bound, plus the host time of AdamW's per-tensor loop where it has one (CPU),
         # under DTensor with tensor parallelism.
         tensors = sum(p.parameter_tensors for p in members)
@@ -321,11 +342,12 @@ def predict_step(
             "data_parallel": data_parallel,
             "optimizer": optimizer,
         }
+        if ep > 1:
+            routed = sum(1 for part in block_members if part.routes_tokens)
+            dispatch = all_to_all_seconds(ep_link, activation_bytes * profile.expert_top_k)
+            parts_of_stage["expert_parallel"] = microbatches * routed * all_to_alls * dispatch
         if pp > 1:
-            activation = profile.block_input_bytes * choices.micro_batch_size / profile.micro_batch_size
-            activation *= (0.5 if choices.mixed_precision == "bf16" else 1.0) / (
-                tp if choices.sequence_parallel else 1
-            )
+            activation = activation_bytes / (tp if choices.sequence_parallel else 1)
             parts_of_stage["pipeline_p2p"] = (
                 2 * microbatches * virtual_stages * p2p_seconds(pp_link, activation)
             )
@@ -335,7 +357,7 @@ def predict_step(
     if worst is None:
         raise PlanError(f"pipeline_parallel_size={pp} gives no stage to cost; use a size of at least 1")
     total, breakdown = worst
-    global_batch = microbatches * dp * choices.micro_batch_size
+    global_batch = microbatches * dp * ep * choices.micro_batch_size
     return StepCost(total, tuple(breakdown.items()), model_flops_per_step(profile, global_batch))
 
 

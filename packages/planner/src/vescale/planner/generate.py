@@ -3,7 +3,8 @@
 With a hardware profile (the ``hardware`` constraint or argument: a built-in name, ``"cpu"``
 measured now, or a JSON file) the plan is the fastest one the step-time model
 (:mod:`vescale.planner.cost`) predicts among those whose memory estimate fits with a margin
-(:mod:`vescale.planner.search`); the rule-based choice below is costed beside it in the reasons.
+(:mod:`vescale.planner.search`; for a model with MoE blocks over the ep sizes too, the all-to-alls
+priced); the rule-based choice below is costed beside it in the reasons.
 Without one, the rules choose. For a world of ``W`` devices, ``devices_per_node`` per node and a
 memory budget per device:
 
@@ -155,12 +156,6 @@ def generate_plan(
             model, constraints, world_size, per_node, budget, sequence_length, auto, profiles
         )
         return assemble_plan(model, auto, constraints, choices, estimate, budget, reasons, per_node)
-    if (constraints.expert_parallel_size or 1) > 1:
-        raise ConstraintError(
-            "expert_parallel.size with a hardware profile: the cost model does not price the experts' "
-            "all-to-alls yet; drop the hardware constraint (the rules then plan around the ep size) or "
-            "expert_parallel.size"
-        )
     try:
         rule_choice = _rule_based_choice(
             model, constraints, world_size, per_node, budget, sequence_length, auto, profiles
@@ -176,6 +171,7 @@ def generate_plan(
         reasons=reasons,
         top_k=top_k,
         rule_choice=rule_choice,
+        expert_sizes=tuple(expert_parallel_sizes(model, constraints, world_size)),
     )
 
 

@@ -10,8 +10,10 @@ estimate (:mod:`vescale.planner.memory`, activations scaled linearly from one pr
 micro-batch) is at most ``(1 - margin)`` of the budget. Pipeline stage boundaries come from a
 partition that minimises the slowest stage's time. Candidates are ranked by seconds per sample
 (the step time when ``global_batch_size`` is given). Ties are broken by memory, then
-by the candidate's fields, so the answer is the same on every run. Expert parallelism stays 1
-(an ``ep`` axis would be one more loop over :class:`Candidate`).
+by the candidate's fields, so the answer is the same on every run. For a model with MoE blocks
+the expert-parallel sizes given (``expert_sizes``) are one more axis: ``ep`` takes its share of
+the world from ``dp`` and the batch is split over ``dp x ep``; its memory is estimated directly
+(the cache below divides by dp alone) and its all-to-alls are priced by the step-time model.
 
 Example::
 
@@ -34,7 +36,13 @@ from vescale.planner.constraints import Constraints
 from vescale.planner.cost import StepCost, balanced_split, op_parts, predict_step
 from vescale.planner.errors import ConstraintError
 from vescale.planner.hardware import HardwareProfile
-from vescale.planner.memory import MemoryEstimate, ParallelChoices, peak_of_stages, stage_sizes
+from vescale.planner.memory import (
+    MemoryEstimate,
+    ParallelChoices,
+    estimate_from_profile,
+    peak_of_stages,
+    stage_sizes,
+)
 from vescale.planner.profile import ModelProfile
 
 __all__ = ["MEMORY_MARGIN", "Candidate", "Cluster", "search_plans", "seconds_per_sample"]
@@ -58,8 +66,9 @@ class Candidate:
     def describe(self) -> str:
         """A one-line summary, e.g. ``"pp1 dp8 tp1 zero3 bf16 mbs2 ac=selective"``."""
         c = self.choices
+        experts = f" ep{c.expert_parallel_size}" if c.expert_parallel_size > 1 else ""
         text = (
-            f"pp{c.pipeline_parallel_size} dp{c.data_parallel_size} tp{c.tensor_parallel_size}"
+            f"pp{c.pipeline_parallel_size} dp{c.data_parallel_size}{experts} tp{c.tensor_parallel_size}"
             f"{' sp' if c.sequence_parallel else ''} zero{c.zero_stage} {c.mixed_precision} "
             f"mbs{c.micro_batch_size} ac={c.activation_checkpointing}"
         )
@@ -126,6 +135,8 @@ class _MemoryCache:
         self.sizes: dict[tuple[Any, ...], list[Any]] = {}
 
     def estimate(self, profile: ModelProfile, choices: ParallelChoices) -> MemoryEstimate:
+        if choices.expert_parallel_size > 1:  # ZeRO divides experts and the rest differently
+            return estimate_from_profile(profile, choices)
         key = (
             id(profile),
             choices.tensor_parallel_size,
@@ -170,6 +181,7 @@ def search_plans(
     head_counts: tuple[int, ...],
     sequence_length: int,
     margin: float = MEMORY_MARGIN,
+    expert_sizes: tuple[int, ...] = (1,),
 ) -> list[Candidate]:
     """Every fitting candidate, fastest first (module docstring); ``sharding_plans[sp]`` is the
     tensor-parallel plan with or without sequence parallelism. Raises ``ConstraintError`` when
@@ -182,14 +194,14 @@ def search_plans(
                             sequence_length=8192)[0]
     """
     hardware, per_node, budget_gib = cluster.hardware, cluster.per_node, cluster.budget_gib
-    sizes = parallel_sizes(cluster.world_size, constraints, per_node, head_counts, profile.num_blocks)
+    sizes = _sizes_with_experts(cluster.world_size, constraints, per_node, head_counts, profile, expert_sizes)
     memory, scaled, ranked, smallest = _MemoryCache(), {}, [], None
     parts_cache: dict[tuple[Any, ...], dict[int | str, Any]] = {}
     splits: dict[tuple[Any, ...], tuple[int, ...]] = {}
     limit = budget_gib * _GIB * (1 - margin)
     precisions = _axis(constraints.mixed_precision, ["bf16", "fp32"])
     recomputes = _axis(constraints.activation_checkpointing, ["none", "selective", "full"])
-    for (tp, pp, dp), precision, zero, recompute in itertools.product(
+    for (tp, pp, dp, ep), precision, zero, recompute in itertools.product(
         sizes, precisions, _axis(constraints.zero_stage, [0, 1, 2, 3]), recomputes
     ):
         if zero > 0 and dp == 1 and constraints.zero_stage is None:
@@ -199,7 +211,7 @@ def search_plans(
         )
         if sequence_parallel and tp == 1:
             continue
-        for micro, count in _micro_batches(constraints, dp, pp):
+        for micro, count in _micro_batches(constraints, dp * ep, pp):
             if micro not in scaled:
                 scaled[micro] = scaled_profile(profile, micro)
             for schedule, virtual in _schedules(constraints, pp, count, profile.num_blocks):
@@ -207,6 +219,7 @@ def search_plans(
                     tensor_parallel_size=tp,
                     pipeline_parallel_size=pp,
                     data_parallel_size=dp,
+                    expert_parallel_size=ep,
                     sequence_parallel=sequence_parallel,
                     zero_stage=zero,
                     micro_batch_size=micro,
@@ -222,7 +235,7 @@ def search_plans(
                     smallest = (choices, estimate)
                 if estimate.total > limit:
                     continue
-                parts_key = (tp, sequence_parallel, precision, micro)
+                parts_key = (tp, ep, sequence_parallel, precision, micro)
                 if parts_key not in parts_cache:
                     parts_cache[parts_key] = op_parts(scaled[micro], choices, hardware)
                 parts = parts_cache[parts_key]
@@ -258,11 +271,35 @@ def search_plans(
     return sorted(ranked, key=_rank_key)
 
 
+def _sizes_with_experts(
+    world_size: int,
+    constraints: Constraints,
+    per_node: int,
+    head_counts: tuple[int, ...],
+    profile: ModelProfile,
+    expert_sizes: tuple[int, ...],
+) -> list[tuple[int, int, int, int]]:
+    """``(tp, pp, dp, ep)`` for every ep size that leaves a possible ``(tp, pp, dp)`` split."""
+    sizes: list[tuple[int, int, int, int]] = []
+    refused: ConstraintError | None = None
+    for ep in expert_sizes:
+        try:
+            split = parallel_sizes(world_size // ep, constraints, per_node, head_counts, profile.num_blocks)
+        except ConstraintError as error:
+            refused = refused or error
+            continue
+        sizes += [(tp, pp, dp, ep) for tp, pp, dp in split]
+    if not sizes and refused is not None:
+        raise refused
+    return sizes
+
+
 def seconds_per_sample(candidate: Candidate) -> float:
     """Step time over the samples of the step: the measure candidates are ranked by (without a
     ``global_batch_size`` constraint each split runs its own batch, ``dp x micro x micro-batches``)."""
     c = candidate.choices
-    return candidate.cost.step_time_s / (c.data_parallel_size * c.micro_batch_size * c.num_microbatches)
+    batch_ranks = c.data_parallel_size * c.expert_parallel_size
+    return candidate.cost.step_time_s / (batch_ranks * c.micro_batch_size * c.num_microbatches)
 
 
 def _rank_key(candidate: Candidate) -> tuple[Any, ...]:
@@ -272,6 +309,7 @@ def _rank_key(candidate: Candidate) -> tuple[Any, ...]:
         candidate.memory.total,
         c.tensor_parallel_size,
         c.pipeline_parallel_size,
+        c.expert_parallel_size,
         c.zero_stage,
         ("none", "selective", "full").index(c.activation_checkpointing),
         c.mixed_precision,

@@ -29,32 +29,21 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from vescale.dtensor.testing import errors
 from vescale.dtensor.testing._function_ref import RANK_BODY_ATTRIBUTE
 from vescale.dtensor.testing._global_state import DEFAULT_SEED
 from vescale.dtensor.testing._rank_pool import MAX_WORLD_SIZE, RankPool
-from vescale.dtensor.testing.errors import (
-    DistributedTestError,
-    NestedRankRunError,
-    RankCrashedError,
-    RankFailedError,
-    RankTimeoutError,
-    RemoteTraceback,
-)
+from vescale.dtensor.testing.errors import *  # noqa: F403  (every harness error: errors.__all__)
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "MAX_WORLD_SIZE",
-    "DistributedTestError",
-    "NestedRankRunError",
-    "RankCrashedError",
-    "RankFailedError",
     "RankPool",
-    "RankTimeoutError",
-    "RemoteTraceback",
     "distributed_test",
     "rank_pool",
     "run_on_ranks",
     "shutdown_rank_pool",
+    *errors.__all__,
 ]
 
 DEFAULT_TIMEOUT_S = 120.0

@@ -10,6 +10,9 @@ counts; veScale's Shard(i) -> Shard(j) all-to-all sends the exact pieces, unpadd
 Calls issued inside :func:`~vescale.dtensor.comm.comm_scope` carry its label (``scope``), so
 that one module's collectives (an MoE layer's all-to-alls) can be summed apart.
 
+The names defined here are public as :mod:`vescale.dtensor.comm`'s, whose ``__all__`` lists
+them; this private module keeps no second list.
+
 Example::
 
     call = counter.calls[0]
@@ -24,19 +27,6 @@ from dataclasses import dataclass
 import torch
 
 from vescale.dtensor.errors import DTensorError
-
-__all__ = [
-    "BACKWARD",
-    "COLLECTIVES",
-    "FORWARD",
-    "OTHER_GROUP",
-    "WORLD_GROUP",
-    "CollectiveCall",
-    "CollectiveTotals",
-    "CommAccountingError",
-    "bytes_moved",
-    "scope_matches",
-]
 
 # The mesh-dim key of collectives on the default (world) group, and on any other group that
 # is not one of the counter mesh's dimensions.

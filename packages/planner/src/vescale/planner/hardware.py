@@ -48,17 +48,6 @@ _DTYPE_NAMES = {
 class HardwareProfile:
     """One kind of device and its node (see the module docstring); bandwidths in bytes/s.
 
-    ``peak_tflops`` maps a dtype (``"bf16"``, ``"fp16"``, ``"fp32"``, ``"tf32"``, ``"fp8"``) to
-    dense tera-FLOP/s. ``matmul_efficiency`` is the fraction of peak a large matmul reaches,
-    ``matmul_half_dim`` the smallest matrix dimension at which it reaches half of that;
-    ``collective_efficiency`` the fraction of link bandwidth a ring collective reaches;
-    ``op_overhead_us`` the host time of one eager op (a small op costs at least that),
-    ``matmul_overhead_us`` the fixed cost of one matmul call, ``dtensor_op_overhead_us`` the host
-    time of one op on DTensors (every op of a tensor-parallel model); ``overlaps_communication``
-    whether ZeRO-3's prefetched gathers run beside compute (GPU streams: yes; CPU ranks: no);
-    ``optimizer_ops_per_tensor`` the eager ops AdamW runs per parameter tensor (0 where its
-    multi-tensor kernels step them all at once, as on CUDA; ~12 in its per-tensor loop on CPU).
-
     Example::
 
         h100 = load_hardware("h100-80gb")
@@ -66,24 +55,45 @@ class HardwareProfile:
     """
 
     name: str
+    """A built-in profile's key (``"h100-80gb"``), ``"cpu"``, or a user's own name."""
     peak_tflops: tuple[tuple[str, float], ...]
+    """Dense tera-FLOP/s per dtype (``"bf16"``, ``"fp16"``, ``"fp32"``, ``"tf32"``, ``"fp8"``), as
+    ``(dtype, tflops)`` pairs sorted by dtype; a dict is accepted."""
     memory_gb: float
+    """One device's memory in GiB: the planner's memory budget where no constraint sets one."""
     memory_bandwidth: float
+    """Bytes/s between a device's memory and its cores (HBM on a GPU, RAM on the CPU)."""
     intra_node_bandwidth: float
+    """Bytes/s per device, one direction, on the links inside a node (NVLink)."""
     inter_node_bandwidth: float
+    """Bytes/s per device, one direction, on the links across nodes (InfiniBand)."""
     devices_per_node: int
+    """Devices joined by the intra-node links; larger groups cross nodes."""
     intra_node_latency_us: float = 10.0
+    """Microseconds per step (one hop of a ring) of a collective inside a node."""
     inter_node_latency_us: float = 20.0
+    """Microseconds per step (one hop of a ring) of a collective across nodes."""
     matmul_efficiency: float = 0.75
+    """The fraction of peak FLOP/s a large matmul reaches."""
     matmul_half_dim: float = 64.0
+    """The smallest matrix dimension at which a matmul reaches half of ``matmul_efficiency``."""
     memory_efficiency: float = 0.8
+    """The fraction of ``memory_bandwidth`` a memory-bound op reaches."""
     collective_efficiency: float = 0.8
+    """The fraction of link bandwidth a ring collective reaches."""
     op_overhead_us: float = 10.0
+    """Host microseconds of one eager op (a small op costs at least that)."""
     matmul_overhead_us: float = 5.0
+    """The fixed microseconds of one matmul call."""
     dtensor_op_overhead_us: float = 10.0
+    """Host microseconds of one op on DTensors (every op of a tensor-parallel model)."""
     overlaps_communication: bool = True
+    """Whether ZeRO-3's prefetched gathers run beside compute (GPU streams: yes; CPU ranks: no)."""
     optimizer_ops_per_tensor: float = 0.0
+    """The eager ops AdamW runs per parameter tensor: 0 where its multi-tensor kernels step them all
+    at once, as on CUDA; ~12 in its per-tensor loop on CPU."""
     source: str = ""
+    """Where the numbers come from (a data sheet, a calibration run)."""
 
     def __post_init__(self) -> None:
         peaks = self.peak_tflops.items() if isinstance(self.peak_tflops, dict) else self.peak_tflops

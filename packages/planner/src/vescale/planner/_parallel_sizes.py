@@ -1,4 +1,5 @@
-"""The parallel sizes a world can be split into, and the batches each split can run.
+"""The parallel sizes a world can be split into, and the batches and sequence parallelism each
+split can run.
 
 Shared by the rule-based planner and the cost-model search (:mod:`vescale.planner.search`).
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 from vescale.planner.constraints import Constraints
 from vescale.planner.errors import ConstraintError
 
-__all__ = ["batches", "divisors", "parallel_sizes"]
+__all__ = ["batches", "divisors", "parallel_sizes", "sequence_parallel_for"]
 
 
 def divisors(number: int) -> list[int]:
@@ -77,3 +78,14 @@ def batches(constraints: Constraints, dp: int, pp: int) -> tuple[int, int] | Non
     if global_batch % (dp * micro):
         return None
     return global_batch, micro
+
+
+def sequence_parallel_for(constraints: Constraints, tp: int) -> bool | None:
+    """Whether a ``tp``-way candidate shards activations along the sequence: the constraint's
+    choice, else whenever there is tensor parallelism (Megatron's default); ``None`` where the
+    constraint asks for it and ``tp`` is 1 (no such candidate)."""
+    if constraints.sequence_parallel is None:
+        return tp > 1
+    if constraints.sequence_parallel and tp == 1:
+        return None
+    return constraints.sequence_parallel

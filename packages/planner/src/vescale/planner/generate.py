@@ -48,7 +48,7 @@ from vescale.dmodule.experts import find_moe_blocks
 from vescale.planner._assembly import assemble_plan
 from vescale.planner._cost_planning import plan_by_cost
 from vescale.planner._meta_forward import meta_parameters
-from vescale.planner._parallel_sizes import batches, divisors, parallel_sizes
+from vescale.planner._parallel_sizes import batches, divisors, parallel_sizes, sequence_parallel_for
 from vescale.planner.constraints import Constraints
 from vescale.planner.errors import ConstraintError, PlanError
 from vescale.planner.hardware import HardwareProfile, load_hardware
@@ -232,11 +232,9 @@ def _rule_based_choice(
         split = batches(constraints, dp * ep, pp)
         if split is None or (zero > 0 and dp == 1 and constraints.zero_stage is None):
             continue
-        if constraints.sequence_parallel and tp == 1:
+        sequence_parallel = sequence_parallel_for(constraints, tp)
+        if sequence_parallel is None:
             continue
-        sequence_parallel = (
-            constraints.sequence_parallel if constraints.sequence_parallel is not None else tp > 1
-        )
         global_batch, micro = split
         num_microbatches = global_batch // (dp * ep * micro)
         schedule = constraints.pipeline_parallel_schedule or ("1f1b" if num_microbatches >= pp else "gpipe")

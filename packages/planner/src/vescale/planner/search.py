@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from vescale.dmodule.sharding_plan import ShardingPlan
-from vescale.planner._parallel_sizes import divisors, parallel_sizes
+from vescale.planner._parallel_sizes import divisors, parallel_sizes, sequence_parallel_for
 from vescale.planner._profile_scaling import scaled_profile
 from vescale.planner.constraints import Constraints
 from vescale.planner.cost import StepCost, balanced_split, op_parts, predict_step
@@ -206,10 +206,8 @@ def search_plans(
     ):
         if zero > 0 and dp == 1 and constraints.zero_stage is None:
             continue
-        sequence_parallel = (
-            constraints.sequence_parallel if constraints.sequence_parallel is not None else tp > 1
-        )
-        if sequence_parallel and tp == 1:
+        sequence_parallel = sequence_parallel_for(constraints, tp)
+        if sequence_parallel is None:
             continue
         for micro, count in _micro_batches(constraints, dp * ep, pp):
             if micro not in scaled:

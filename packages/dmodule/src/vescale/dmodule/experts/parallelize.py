@@ -11,7 +11,10 @@ module classes, FQNs and router; on its experts module instance:
 * the router computes its logits, scores and top-k in float32 (:mod:`.router_precision`);
 * ``forward`` (an instance attribute; the ``transformers`` class is untouched) dispatches the
   tokens to the experts' owners and combines the outputs (:mod:`.dispatch`), with the
-  capacity factor given, and keeps the last count of dropped pairs in ``dropped_pairs``.
+  capacity factor given, and keeps the last count of dropped pairs in ``dropped_pairs``; under
+  ``torch.compile`` it runs eagerly (``torch.compiler.disable``: its split sizes are data), the
+  rest of the model compiled around it; recomputed (activation checkpointing), it dispatches
+  again in backward, with the same routing.
 
 Everything else stays as it was: under EP the batch is split over every batch dim (dp and
 ep), and the non-expert parameters are data-parallel over all of them (see
@@ -128,6 +131,10 @@ def batch_dims_of(mesh: DeviceMesh, ep_dim: str = "ep") -> tuple[str, ...]:
     return tuple(dim for dim in mesh.mesh_dim_names or () if dim in (*BATCH_DIM_NAMES, ep_dim))
 
 
+# Under torch.compile the dispatch runs eagerly: its split sizes are data (counts exchanged between
+# ranks, then ``tolist``), which dynamo cannot trace; an eager island breaks the graph once here
+# instead of at each data-dependent op, collective and comm scope inside.
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # torch leaves it unannotated
 def _expert_parallel_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:

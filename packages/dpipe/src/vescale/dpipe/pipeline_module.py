@@ -35,6 +35,7 @@ from vescale.dpipe.gradients import data_parallel_sync_deferred, finish_pipeline
 from vescale.dpipe.plan import PipelinePlan
 from vescale.dpipe.schedules import build_schedule, local_stage_indices
 from vescale.dpipe.split import StageLayout, split_model
+from vescale.dpipe.stage_inputs import check_stage_inputs
 from vescale.dpipe.stage_module import PipelineStageModule, StageRouter
 from vescale.dpipe.tracing import ModelTrace, default_example_batch, trace_model
 
@@ -251,8 +252,12 @@ def pipeline_parallelize(
     world = pp_size if mesh is not None else dist.get_world_size()
     if world != plan.size:
         raise PipelinePlanError(f"PipelinePlan.size is {plan.size} but the pp dimension has {world} ranks")
-    trace = trace_model(model, example_batch if example_batch is not None else default_example_batch(model))
+    batch = example_batch if example_batch is not None else default_example_batch(model)
+    trace = trace_model(model, batch)
     layout = split_model(model, plan, trace)
+    # A module before the blocks (an embedding's LayerNorm) may stay on stage 0 if only the hidden
+    # state needs its output; this follows the data to make sure.
+    check_stage_inputs(model, layout, batch)
     return PipelineModule(model, plan, layout, trace, mesh)
 
 

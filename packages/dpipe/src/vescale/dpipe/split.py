@@ -173,14 +173,6 @@ def _check_boundaries(
     order = [trace.call_index[cut] for cut in boundaries]
     if order != sorted(set(order)):
         raise PipelinePlanError(f"split points {list(boundaries)} must be distinct and in execution order")
-    first_block_index = trace.call_index.get(block_fqns[0], len(trace.call_index)) if block_fqns else 0
-    for unit in units:
-        module = model.get_submodule(unit)
-        if trace.call_index.get(unit, -1) < first_block_index and not isinstance(module, nn.Embedding):
-            raise PipelineCutError(
-                f"cannot split {type(model).__name__}: {unit!r} ({type(module).__name__}) runs before the "
-                "blocks and is not an embedding, so later stages cannot skip it without knowing its output"
-            )
 
 
 def _block_costs(

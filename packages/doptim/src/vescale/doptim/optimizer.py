@@ -81,6 +81,10 @@ class DistributedOptimizer(Optimizer):
                 "right after building it, before the first step"
             )
         self.optimizer = optimizer
+        # A frozen parameter (requires_grad=False, e.g. AFMoE's router expert_bias) never gets a
+        # gradient, so a torch optimizer never steps it, and data parallelism leaves it out: drop it.
+        for group in optimizer.param_groups:
+            group["params"] = [param for param in group["params"] if param.requires_grad]
         self.owner = _data_parallel_owner(optimizer)
         self.zero_stage = self.owner.zero_stage
         self.defaults = optimizer.defaults

@@ -6,7 +6,8 @@ Order of composition (each step needs the previous one's placements):
 2. tensor/sequence parallelism (dmodule, ``plan.sharding_plan`` over ``tp``): every parameter
    becomes a DTensor on the whole mesh; a model from :func:`vescale.deferred_init` is
    materialised here, each rank allocating only its tp shards (without tp: full tensors);
-   with ``ep > 1`` the plan's expert entries are left out (``expert_tensor_parallel`` off) and
+   with ``ep > 1`` the plan's expert entries are left out (``expert_tensor_parallel`` off; on,
+   they split each expert over tp first, then over ep) and
    the experts of every MoE block are sharded over ``ep`` (``parallelize_experts``: E/ep whole
    experts per rank, tokens dispatched by all-to-all, the load-balancing loss of the global batch;
    with experts replicated over dp, the load-balancing loss is made the global batch's too);
@@ -133,12 +134,6 @@ def _batch_dims(plan: Plan) -> str | tuple[str, ...]:
 def _tensor_parallel_plan(plan: Plan, model: nn.Module) -> ShardingPlan | dict[str, Any] | None:
     """The sharding plan to apply over tp: the plan's, without the experts when they are not split over tp."""
     ep = plan.mesh_size("ep")
-    if ep > 1 and plan.experts_split_over_tp:
-        raise UnsupportedPlanError(
-            f"plan.expert_tensor_parallel=true with mesh.ep={ep}: experts split over tp inside each ep rank "
-            "are not implemented; set expert_parallel.expert_tensor_parallel to false (tensor parallelism "
-            "outside the experts) or mesh.ep to 1"
-        )
     if plan.sharding_plan is None:
         # ZeRO-3 over dp x ep shards DTensor parameters on the mesh: make every parameter one (Replicate).
         return {"parameter": {}} if ep > 1 and plan.data_parallel.zero_stage == 3 else None
@@ -230,9 +225,14 @@ def _apply_data_parallel(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> None
 def _parallel_module(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     expert_parallel = plan.mesh_size("ep") > 1
     sharding_plan = _tensor_parallel_plan(plan, model)
-    if expert_parallel and any(is_deferred(param) for param in model.parameters()):
+    if (
+        expert_parallel
+        and not plan.experts_split_over_tp
+        and any(is_deferred(param) for param in model.parameters())
+    ):
         # A deferred model: the rest is materialised (TP shards or full tensors) with the experts held
-        # out, then each rank materialises its own experts only.
+        # out, then each rank materialises its own experts only. (Split over tp too, the experts are
+        # materialised as their tp slices of every expert, then cut to this rank's over ep.)
         with _experts_held_out(model):
             _apply_tensor_parallel(model, mesh, sharding_plan)
     else:

@@ -4,7 +4,9 @@ Each MoE block found by :func:`~vescale.dmodule.experts.detect.find_moe_blocks` 
 module classes, FQNs and router; on its experts module instance:
 
 * every expert parameter (3-D weights, 2-D biases) becomes a DTensor ``Shard(0)`` on
-  ``ep_dim`` and ``Replicate`` on every other mesh dim: each rank holds E/ep whole experts,
+  ``ep_dim`` and ``Replicate`` on every other mesh dim (or, split inside each expert over tp by a
+  tensor-parallel plan first, kept so: expert tensor parallelism, :mod:`.tensor_parallel`): each
+  rank holds E/ep whole experts (or their tp slices),
   taken from the full parameter it already has (no communication, bitwise the same slice), or
   on a deferred model (``deferred_init``) materialised as that slice only, bitwise equal to the
   same slice of single-device construction (the rest of the model stays deferred);
@@ -47,6 +49,7 @@ from vescale.dmodule.experts.dispatch import dispatch_and_combine
 from vescale.dmodule.experts.errors import ExpertParallelError
 from vescale.dmodule.experts.local_experts import LocalExperts
 from vescale.dmodule.experts.router_precision import route_in_float32
+from vescale.dmodule.experts.tensor_parallel import TensorParallelExperts, expert_split_dims
 from vescale.dtensor.deferred import is_deferred, materialize_tensor
 
 __all__ = [
@@ -80,6 +83,8 @@ class ExpertParallelState:
     local_experts: LocalExperts
     dropped_pairs: int = 0
     block: MoEBlock | None = field(default=None, repr=False)
+    # The mesh dim the experts are also split over inside each expert (expert tensor parallelism).
+    split_dim: str | None = None
 
     @property
     def group(self) -> Any:
@@ -146,11 +151,14 @@ def _expert_parallel_forward(
         tensor.to_local() if isinstance(tensor, DTensor) else tensor
         for tensor in (hidden_states, top_k_index, top_k_weights)
     )
+    compute: Any = state.local_experts
+    if state.split_dim is not None:
+        compute = TensorParallelExperts(compute, state.mesh.get_group(state.split_dim), state.fqn)
     output, state.dropped_pairs = dispatch_and_combine(
         hidden_states,
         top_k_index,
         top_k_weights,
-        state.local_experts,
+        compute,
         num_experts=state.num_experts,
         group=state.group,
         capacity_factor=state.capacity_factor,
@@ -165,7 +173,9 @@ def _expert_parallel_forward(
 def _shard_parameter(
     param: nn.Parameter, mesh: DeviceMesh, ep_index: int, ep_dim: str, fqn: str
 ) -> nn.Parameter:
-    placements = [Shard(0) if index == ep_index else Replicate() for index in range(mesh.ndim)]
+    # Replicate over every other dim, or the split inside each expert a tensor-parallel plan gave it.
+    kept = list(param.placements) if isinstance(param, DTensor) else [Replicate()] * mesh.ndim
+    placements = [Shard(0) if index == ep_index else kept[index] for index in range(mesh.ndim)]
     if is_deferred(param):
         # A deferred model (vescale.deferred_init): this rank materialises its experts only, with the
         # values (and random draws) of single-device construction.
@@ -173,6 +183,7 @@ def _shard_parameter(
     else:
         ep_size, ep_rank = mesh.size(ep_index), mesh.get_local_rank(ep_dim)
         per_rank = param.shape[0] // ep_size
+        # A DTensor's local tensor holds every expert (whole over ep), split inside each over tp.
         full = param.to_local() if isinstance(param, DTensor) else param
         local = full.detach()[ep_rank * per_rank : (ep_rank + 1) * per_rank].clone()
         sharded = DTensor.from_local(
@@ -183,24 +194,20 @@ def _shard_parameter(
     return new_param
 
 
-def _check_block(block: MoEBlock, experts: nn.Module, mesh: DeviceMesh, ep_size: int, ep_dim: str) -> None:
+def _check_block(
+    block: MoEBlock, experts: nn.Module, mesh: DeviceMesh, ep_size: int, ep_dim: str, has_bias: bool
+) -> str | None:
+    """Raise unless the block's experts split over ``ep_dim``; the mesh dim they are split over
+    inside each expert (a tensor-parallel plan's column/row split), if any."""
     if block.num_experts % ep_size:
         raise ExpertParallelError(
             f"{block.experts_fqn}: {block.num_experts} experts do not split over {ep_dim}={ep_size} "
             f"(each rank must hold whole experts); use an {ep_dim} size that divides {block.num_experts}"
         )
-    for name in block.expert_parameters:
-        param = experts._parameters[name]
-        # parallelize_module (tensor parallelism outside the experts) leaves them Replicate: accepted.
-        if isinstance(param, DTensor) and (
-            param.device_mesh != mesh or not all(p.is_replicate() for p in param.placements)
-        ):
-            raise ExpertParallelError(
-                f"{block.experts_fqn}.{name} is a DTensor already ({param.placements} on "
-                f"{param.device_mesh}); "
-                "expert parallelism shards whole experts: leave the experts out of the tensor-parallel "
-                "plan, parallelize_module on the same mesh, then parallelize_experts once"
-            )
+    params = {name: experts._parameters[name] for name in block.expert_parameters}
+    present = {name: param for name, param in params.items() if param is not None}
+    split = expert_split_dims(block.experts_fqn, present, mesh, ep_dim, has_bias)
+    return split[0] if split else None
 
 
 def parallelize_experts(
@@ -246,8 +253,8 @@ def parallelize_experts(
         )
     for block in blocks:
         experts = model.get_submodule(block.experts_fqn)
-        _check_block(block, experts, mesh, ep_size, ep_dim)
         local_experts = LocalExperts(experts, use_grouped_mm=use_grouped_mm)
+        split_dim = _check_block(block, experts, mesh, ep_size, ep_dim, local_experts.has_bias)
         for name in block.expert_parameters:
             parameter = experts._parameters[name]
             if parameter is None:  # find_moe_blocks lists the parameters the module holds
@@ -259,7 +266,14 @@ def parallelize_experts(
                 parameter, mesh, ep_index, ep_dim, f"{block.experts_fqn}.{name}"
             )
         state = ExpertParallelState(
-            block.experts_fqn, mesh, ep_dim, block.num_experts, capacity_factor, local_experts, block=block
+            block.experts_fqn,
+            mesh,
+            ep_dim,
+            block.num_experts,
+            capacity_factor,
+            local_experts,
+            block=block,
+            split_dim=split_dim,
         )
         setattr(experts, EXPERT_PARALLEL_ATTRIBUTE, state)
         experts.forward = types.MethodType(_expert_parallel_forward, experts)

@@ -151,3 +151,30 @@ def test_data_parallel_load_balancing_loss_is_the_global_batch_one(name):
     for rank, errors in enumerate(results):
         assert errors["global_loss"] <= TOLERANCE and errors["global_grad"] <= TOLERANCE, (rank, errors)
         assert errors["per_rank_grad"] > 100 * TOLERANCE, (rank, errors)
+
+
+def _refused_expert_dim_split() -> str:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from vescale.dmodule import parallelize_experts
+    from vescale.dmodule.experts import ExpertParallelError
+
+    mesh = init_mesh(ep=2, tp=2)
+    model = tiny_moe("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    # The expert dim split over tp: each rank would hold other experts than ep gives it.
+    whole = experts.gate_up_proj.detach()
+    experts.gate_up_proj = torch.nn.Parameter(distribute_tensor(whole, mesh, [Replicate(), Shard(0)]))
+    try:
+        parallelize_experts(model, mesh)
+    except ExpertParallelError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_experts_split_over_their_expert_dim_by_tp_are_refused():
+    """Expert tensor parallelism keeps splits inside each expert (dims 1, 2); a tensor-parallel split of
+    the expert dim is a typed error naming the parameter and the fix."""
+    message = run_on_ranks(_refused_expert_dim_split, 4)[0]
+    assert "gate_up_proj is S(0) on mesh dim 'tp'" in message, message
+    assert "leave the experts Replicate in the tensor-parallel plan" in message, message

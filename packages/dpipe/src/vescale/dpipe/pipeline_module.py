@@ -79,7 +79,7 @@ class PipelineModule(nn.Module):
         self._tied_names = {
             id(tied.parameter): first_names[id(tied.parameter)] for tied in self._tied_parameters
         }
-        router = StageRouter(model, layout, trace, self.stage_indices)
+        router = StageRouter(model, layout, trace, self.stage_indices, self.device)
         model_kwargs = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
         self.activation_meter = ActivationMeter()
         # The MoE load-balancing loss of transformers needs every layer's router statistics.

@@ -77,11 +77,19 @@ class StageRouter:
     """Installs the skip, entry and exit logic on ``model`` and frees other stages' parameters.
 
     ``local_stages`` are the stage indices this rank runs; parameters of every other stage's
-    units are set to ``None`` (``model.parameters()`` then lists only this rank's).
+    units are unregistered (``model.parameters()`` then lists only this rank's) and their
+    attributes hold a one-element stand-in on ``device`` with the parameter's shape and dtype,
+    since model code outside the units reads them (Llama 4 moves the token ids to
+    ``embed_tokens.weight.device`` on every stage).
     """
 
     def __init__(
-        self, model: nn.Module, layout: StageLayout, trace: ModelTrace, local_stages: list[int]
+        self,
+        model: nn.Module,
+        layout: StageLayout,
+        trace: ModelTrace,
+        local_stages: list[int],
+        device: torch.device | None = None,
     ) -> None:
         self.layout = layout
         self.active_stage: int | None = None
@@ -100,8 +108,12 @@ class StageRouter:
                         name for name, _ in module.named_parameters(recurse=False, remove_duplicate=False)
                     ]
                     for name in names:
-                        # None keeps the attribute (the module still builds) but drops the storage.
-                        module.register_parameter(name, None)
+                        parameter = module._parameters.pop(name)
+                        if parameter is None:
+                            continue
+                        # A plain tensor attribute: no parameter, no state-dict entry, one element.
+                        stand_in = torch.zeros((), dtype=parameter.dtype, device=device or "cpu")
+                        setattr(module, name, stand_in.expand(parameter.shape))
 
     def _gate(self, unit: nn.Module, unit_stage: int, returns_tensor: bool) -> None:
         original_forward = unit.forward

@@ -269,6 +269,17 @@ def test_expert_parallel_composes_with(key):
     assert [run["expert_share"] for run in runs] == [share] * 4
 
 
+def test_compile_with_expert_and_tensor_parallelism_is_refused():
+    """torch 2.13 cannot compile ep x tp (AOT autograd replays a DTensor view with as_strided around the
+    eager dispatch; measured on ep2 x tp2): a typed error naming both sizes and the fix, before any work."""
+    import vescale
+    from vescale.api.errors import UnsupportedPlanError
+
+    model = tiny_moe("mixtral")
+    with pytest.raises(UnsupportedPlanError, match=r"ep=2, tp=2.*use compile=False, or compile with tp=1"):
+        vescale.parallelize(_composed_plan(model, "ep2xtp2-sequence-parallel"), model, compile=True)
+
+
 # pp2 x ep2: two pipeline stages, each an ep2 group over which the global batch is split; each
 # stage holds one MoE layer (DeepSeek-V3 gets a third layer, as its first is dense). One
 # micro-batch per rank (GPipe): the load-balancing statistic is then the whole global batch's, as

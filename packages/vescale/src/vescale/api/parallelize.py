@@ -79,6 +79,14 @@ def mesh_of(model: nn.Module) -> DeviceMesh:
 
 
 def _check_compile(plan: Plan, model: nn.Module) -> None:
+    if isinstance(plan, Plan) and plan.mesh_size("ep") > 1 and plan.mesh_size("tp") > 1:
+        # The MoE block's compiled code before the (eager) dispatch returns a view of its DTensor
+        # input, which AOT autograd regenerates with as_strided, which DTensor refuses (torch 2.13).
+        raise UnsupportedPlanError(
+            f"compile=True with expert parallelism and tensor parallelism (ep={plan.mesh_size('ep')}, "
+            f"tp={plan.mesh_size('tp')}) fails in torch.compile (as_strided of a DTensor view around the "
+            "eager token dispatch, torch 2.13); use compile=False, or compile with tp=1 (ep and dp only)"
+        )
     # torch 2.13: DTensor's bmm sharding propagation on a _StridedShard needs concrete values under
     # the fake tensors of a compile, so eager attention on a dp x tp mesh fails in its first call.
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
@@ -291,7 +299,10 @@ def parallelize(
     object, each compiled on its own). Known limit (torch 2.13): a transformers model with
     ``attn_implementation="eager"`` on a dp x tp mesh with more than one row per micro-batch fails
     to compile (DTensor's ``bmm`` sharding propagation on a ``_StridedShard`` needs concrete
-    values under fake tensors); ``"sdpa"`` attention compiles.
+    values under fake tensors); ``"sdpa"`` attention compiles. With expert parallelism the token
+    dispatch runs eagerly inside the compiled model (``torch.compiler.disable``); ep with tp > 1
+    is refused under compile (torch 2.13: AOT autograd replays a view of a DTensor with
+    ``as_strided`` around the dispatch, which DTensor refuses).
 
     Example::
 

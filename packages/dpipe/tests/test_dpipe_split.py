@@ -151,17 +151,28 @@ def test_split_leaves_the_model_usable():
 class _DataDependentModel(torch.nn.Module):
     """A forward whose shapes depend on tensor values, which fake tensors do not hold."""
 
-    def __init__(self) -> None:
+    def __init__(self, read: str) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(8, 4)
+        self.read = read
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.read == "unique":
+            # An output shape no training batch fixes: nothing to answer it with.
+            return self.embed(torch.unique(input_ids))
+        # XLM asserts on lengths.max().item(); MoE routing finds tokens with nonzero.
         length = int(input_ids.max().item()) + 1
-        return self.embed(input_ids)[:, :length]
+        tokens = input_ids[:, :length][torch.nonzero(input_ids[:, :length] >= 0, as_tuple=True)]
+        return self.embed(tokens)
+
+
+def test_values_read_in_forward_are_answered_as_a_training_batch_would():
+    trace = trace_model(_DataDependentModel("item"), {"input_ids": torch.zeros(1, 4, dtype=torch.long)})
+    assert "embed" in trace.call_index
 
 
 def test_model_that_cannot_run_on_fake_tensors_is_reported():
-    model = _DataDependentModel()
+    model = _DataDependentModel("unique")
     batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
     expected = r"could not run _DataDependentModel's forward on fake tensors"
     with pytest.raises(PipelineCutError, match=expected):

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from vescale.dpipe import _compat
 from vescale.dpipe.errors import PipelineCutError
+from vescale.dpipe.fake_values import FakeValuePolicy
 from vescale.dpipe.split import StageLayout
 from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
 
@@ -131,7 +132,7 @@ def _check_stage(
     config = getattr(model, "config", None)
     model_kwargs = {"use_cache": False} if config is not None and hasattr(config, "use_cache") else {}
     try:
-        with torch.no_grad(), _compat.fake_tensor_mode(), GroupedMatmulShapes():
+        with torch.no_grad(), _compat.fake_tensor_mode(), GroupedMatmulShapes(), FakeValuePolicy():
             fake_batch = {name: _fake(value) for name, value in example_batch.items()}
             with provenance:
                 try:

@@ -23,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from vescale.dpipe import _compat
 from vescale.dpipe.errors import PipelineCutError
+from vescale.dpipe.fake_values import FakeValuePolicy
 from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
 
 __all__ = ["ModelTrace", "default_example_batch", "trace_model"]
@@ -93,7 +94,8 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
         handles.append(module.register_forward_hook(after(fqn)))
     try:
         # GroupedMatmulShapes: MoE experts' float32 grouped matmul has no fake kernel (bf16 only).
-        with torch.no_grad(), _compat.fake_tensor_mode(), GroupedMatmulShapes():
+        # FakeValuePolicy: values the model reads (XLM's .item(), MoE routing's nonzero).
+        with torch.no_grad(), _compat.fake_tensor_mode(), GroupedMatmulShapes(), FakeValuePolicy():
             fake_batch = {name: _to_fake(value) for name, value in example_batch.items()}
             with flop_counter:
                 output = model(**fake_batch, **_no_cache_kwargs(model))

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["FakeValuePolicy"]
@@ -49,14 +49,20 @@ class FakeValuePolicy(TorchDispatchMode):  # type: ignore[no-untyped-call]  # to
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        fake = bool(args) and isinstance(args[0], FakeTensor)
-        if fake and func in _SCALAR_READS:
-            value = self.known.get(id(args[0]), 0)
-            return bool(value) if func is _aten.is_nonzero.default else value
-        if fake and func is _aten.nonzero.default:
-            return torch.zeros((1, args[0].ndim), dtype=torch.long, device=args[0].device)
+        # Tried first: a real tensor answers for itself; a DTensor reaches its fake shards only here.
+        if func in _SCALAR_READS:
+            try:
+                return func(*args, **kwargs)
+            except DataDependentOutputException:
+                value = self.known.get(id(args[0]), 0)
+                return bool(value) if func is _aten.is_nonzero.default else value
+        if func is _aten.nonzero.default:
+            try:
+                return func(*args, **kwargs)
+            except DynamicOutputShapeException:
+                return torch.zeros((1, args[0].ndim), dtype=torch.long, device=args[0].device)
         output = func(*args, **kwargs)
-        if fake and (func in _ALL_OPS or func in _ANY_OPS):
+        if func in _ALL_OPS or func in _ANY_OPS:
             self.known[id(output)] = func in _ALL_OPS
             self._answered.append(output)
         return output

@@ -169,14 +169,23 @@ def test_rfc_script_on_4_ranks_matches_single_device_losses_and_gradients(model_
             assert_run_matches(reference, run, f"{model_name} {plan_name} {run['mesh']} rank {rank}", rank)
 
 
-def test_opt_under_dp2_tp2_sequence_parallel_matches_single_device():
-    """OPT flattens its sequence-parallel [b, s, h] activation to tokens in every MLP: a
-    _StridedShard, whose gradient torch planned through the dp dim, mixing the dp ranks' batches
-    (first-step gradients 40-100% off, losses 3e-3 off by step 3) until
-    ``_compat.install_replicate_dims_guard``."""
-    reference = reference_run("opt")
+@pytest.mark.parametrize("model_name", ["opt", "olmo2"])
+def test_dp2_tp2_keeps_each_dp_ranks_batch_apart(model_name: str):
+    """Activations are Replicate over dp while each dp rank holds its own batch; two torch choices
+    treated them as one tensor and mixed the dp ranks' batches, silently:
+
+    * OPT flattens its sequence-parallel [b, s, h] activation to tokens in every MLP, a
+      _StridedShard whose gradient torch planned through the dp dim (first-step gradients 40-100%
+      off, losses 4e-3 off by step 14) until ``_compat.install_replicate_dims_guard``;
+    * OLMo-2's attention residual add, (R, S(2)) + (R, Partial), was given the zero-cost strategy
+      that shards its output over dp (gradients 60% off) until
+      ``_compat.install_batch_dims_strategy_guard``.
+    """
+    reference = reference_run(model_name)
     plan_name = "dp2xtp2+sp+zero2"
-    results = run_on_ranks(rfc_script_runs, world_size=WORLD_SIZE, args=("opt", [plan_name]), timeout_s=600)
+    results = run_on_ranks(
+        rfc_script_runs, world_size=WORLD_SIZE, args=(model_name, [plan_name]), timeout_s=600
+    )
     for rank, per_plan in enumerate(results):
         run = per_plan[plan_name]
-        assert_run_matches(reference, run, f"opt {plan_name} {run['mesh']} rank {rank}", rank)
+        assert_run_matches(reference, run, f"{model_name} {plan_name} {run['mesh']} rank {rank}", rank)

@@ -645,6 +645,55 @@ def install_replicate_dims_guard() -> None:
     cached_plan.cache_clear()  # plans made before may move such dims
 
 
+# The same holds for the strategies sharding propagation chooses: with every input Replicate on
+# a batch dim (dp, ep, pp), a strategy that shards over it (a free local chunk, so a zero-cost
+# choice) splits two ranks' different batches as if they were one tensor. OLMo-2 under dp2 x tp2
+# added (R, S(2)) + (R, Partial) into (S(0), S(2)), and its gradients came out 60% off. The
+# wrapper keeps such dims Replicate in and out whenever a strategy allows it.
+BATCH_MESH_DIMS = ("dp", "ep", "pp")
+_SHARDING_PROP_MODULE = "torch.distributed.tensor._sharding_prop"
+_SELECT_ATTRIBUTE = "_select_min_cost_strategy"
+
+
+def _keeps_dims_replicate(op_spec: Any, dims: list[int]) -> bool:
+    outputs = op_spec.output_specs
+    specs = [*(op_spec.input_specs or ()), *(outputs if isinstance(outputs, tuple) else (outputs,))]
+    return all(spec is None or spec.placements[dim].is_replicate() for spec in specs for dim in dims)
+
+
+def install_batch_dims_strategy_guard() -> None:
+    """Choose, for an op whose inputs are all Replicate on a batch mesh dim, only strategies that
+    keep that dim Replicate (idempotent; see the comment above).
+
+    Example::
+
+        install_batch_dims_strategy_guard()
+        hidden + attention_out     # (R, S(2)) + (R, P) stays Replicate over dp
+    """
+    module = importlib.import_module(_SHARDING_PROP_MODULE)
+    select = _private_attribute(_SHARDING_PROP_MODULE, _SELECT_ATTRIBUTE, None)
+    if getattr(select, "vescale_keeps_batch_dims", False):
+        return
+
+    def select_keeping_batch_dims(strategy: Any, op_schema: Any = None) -> Any:
+        specs = list(op_schema.args_spec) if op_schema is not None else []
+        names = specs[0].mesh.mesh_dim_names if specs else None
+        dims = [
+            dim
+            for dim, name in enumerate(names or ())
+            if name in BATCH_MESH_DIMS and all(spec.placements[dim].is_replicate() for spec in specs)
+        ]
+        if dims and len(strategy.strategies) > 1:
+            kept = [op_spec for op_spec in strategy.strategies if _keeps_dims_replicate(op_spec, dims)]
+            if kept and len(kept) < len(strategy.strategies):
+                return select(type(strategy)(kept), op_schema)
+        return select(strategy, op_schema)
+
+    select_keeping_batch_dims.vescale_keeps_batch_dims = True  # type: ignore[attr-defined]
+    setattr(module, _SELECT_ATTRIBUTE, select_keeping_batch_dims)
+    clear_dtensor_sharding_caches()
+
+
 def _through_replicate(transform_infos: list[Any]) -> list[Any]:
     """The steps, with each move 2.11 cannot make in one step (``_StridedShard`` to or from
     ``Shard``, ``Partial`` to ``_StridedShard``) made in two, through ``Replicate``."""
@@ -739,7 +788,9 @@ def register_dtensor_op_strategy_like(op: Any, like: Any) -> None:
 
 
 __all__ += [
+    "BATCH_MESH_DIMS",
     "STRIDED_SHARD_UNDECODABLE_ERROR",
+    "install_batch_dims_strategy_guard",
     "install_replicate_dims_guard",
     "install_strided_shard_greedy_redistribution",
     "register_dtensor_op_strategy_like",

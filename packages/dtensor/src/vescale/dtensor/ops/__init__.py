@@ -38,6 +38,7 @@ from vescale.dtensor.ops.coverage import OpCoverageRecorder, OpCoverageReport, h
 # The redistributions that strategies insert must not mix the batches held under a Replicate
 # data-parallel mesh dim (see _compat.install_replicate_dims_guard).
 _compat.install_replicate_dims_guard()
+_compat.install_batch_dims_strategy_guard()
 
 __all__ = [
     "OpCoverageRecorder",

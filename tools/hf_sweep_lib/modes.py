@@ -24,6 +24,7 @@ from hf_sweep_lib.parallelize_modes import (
     PARALLELIZE_WORLD_SIZES,
     SAVE_AFTER,
     STEPS,
+    exact_reference_losses,
     reference_losses,
 )
 from hf_sweep_lib.tp_modes import TP_MODES, exact_reference_step, reference_step
@@ -54,6 +55,10 @@ class References:
     def losses(self) -> list[float]:
         """The losses of single-process training (``hf_sweep_lib.parallelize_modes``)."""
         return self.get("losses", reference_losses)
+
+    def exact_losses(self) -> list[float] | None:
+        """The same training in float64 (None where the model refuses float64): the noise floor."""
+        return self.get("exact_losses", exact_reference_losses)
 
 
 @dataclass(frozen=True)
@@ -121,19 +126,37 @@ def _parallelize_mode(name: str) -> Mode:
         if error is not None:
             return error
         seconds = max(result["seconds"] for result in results)
-        reference = references.losses()
-        if name == "ckpt":
-            saved = judge_losses(
-                results[0]["saved_losses"], reference[:SAVE_AFTER], seconds, "loss before the save"
-            )
-            if saved.status != "pass":
-                return saved
-            resumed = reference[SAVE_AFTER : SAVE_AFTER + len(results[0]["losses"])]
-            return _ranks_disagree(results, "losses", seconds) or judge_losses(
-                results[0]["losses"], resumed, seconds, "loss after the load"
-            )
-        return _ranks_disagree(results, "losses", seconds) or judge_losses(
-            results[0]["losses"], reference[:STEPS], seconds
+        disagreement = _ranks_disagree(results, "losses", seconds)
+        if disagreement is not None:
+            return disagreement
+        cell = _judge_against(results[0], references.losses(), None, seconds)
+        if cell.status == "pass":
+            return cell
+        # off in float32: judged again against float64 training, allowing the reference's own error
+        exact = references.exact_losses()
+        return cell if exact is None else _judge_against(results[0], references.losses(), exact, seconds)
+
+    def _judge_against(
+        result: dict[str, Any], reference: list[float], exact: list[float] | None, seconds: float
+    ) -> Cell:
+        if name != "ckpt":
+            return judge_losses(result["losses"], reference[:STEPS], seconds, exact=exact)
+        saved = judge_losses(
+            result["saved_losses"],
+            reference[:SAVE_AFTER],
+            seconds,
+            "loss before the save",
+            exact=None if exact is None else exact[:SAVE_AFTER],
+        )
+        if saved.status != "pass":
+            return saved
+        resumed = slice(SAVE_AFTER, SAVE_AFTER + len(result["losses"]))
+        return judge_losses(
+            result["losses"],
+            reference[resumed],
+            seconds,
+            "loss after the load",
+            exact=None if exact is None else exact[resumed],
         )
 
     return Mode(name, PARALLELIZE_WORLD_SIZES[name], payload, judge)

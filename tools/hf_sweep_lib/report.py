@@ -116,7 +116,8 @@ def write_markdown(record: dict[str, Any], path: str) -> None:
         "after one step. Where the model also runs in float64, each number is compared with the "
         "float64 value instead, its bound widened by 4× the float32 reference's own error on it "
         "(its noise floor: XLM's near-zero loss is 4.9e-5 off in float32 alone); "
-        "`vescale.parallelize` modes compare the losses of their steps (1e-4). "
+        "`vescale.parallelize` modes compare the losses of their steps (1e-4); a loss off by more "
+        "is judged again the same way against float64 training. "
         "A cell is ✔, `✘ silently wrong: …` (no error, wrong numbers) or the error's first line.",
         "",
         "Modes: `tp2`, `tp2-sp` (sequence parallel), `tp4`: one step under the automatic plan on "

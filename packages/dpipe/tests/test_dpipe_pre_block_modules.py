@@ -88,19 +88,25 @@ def _pipeline_run(arch: str, zero_stage: int | None = None) -> tuple[list[float]
     return losses, first_gradients
 
 
-@pytest.mark.parametrize("arch", ["bloom", "bert"])
-def test_embedding_layernorm_stays_on_stage_zero_and_matches_single_device(arch: str):
+def _assert_pipeline_matches_single_device(arch: str, zero_stage: int | None = None) -> None:
+    """``arch`` under pp2 (with ZeRO-``zero_stage`` over dp1 when given) against one device."""
     reference = train_reference(
         lambda: _build(arch),
         _batches(_build(arch).config.vocab_size),
         lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2),
     )
-    results = run_on_ranks(_pipeline_run, world_size=2, args=(arch,), timeout_s=120)
+    results = run_on_ranks(_pipeline_run, world_size=2, args=(arch, zero_stage), timeout_s=120)
     losses, gradients = zip(*results, strict=True)
+    label = f"{arch} pp2" if zero_stage is None else f"{arch} pp2 dp1"
     errors = assert_matches_reference(
-        reference, losses, gradients, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL, label=f"{arch} pp2"
+        reference, losses, gradients, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL, label=label
     )
-    print(f"{arch} pp2: worst loss error {errors[0]:.2e}, first-step gradient {errors[1]:.2e}")
+    print(f"{label}: worst loss error {errors[0]:.2e}, first-step gradient {errors[1]:.2e}")
+
+
+@pytest.mark.parametrize("arch", ["bloom", "bert"])
+def test_embedding_layernorm_stays_on_stage_zero_and_matches_single_device(arch: str):
+    _assert_pipeline_matches_single_device(arch)
 
 
 def test_frozen_parameter_in_a_later_stage_is_left_to_the_optimizer():
@@ -108,36 +114,14 @@ def test_frozen_parameter_in_a_later_stage_is_left_to_the_optimizer():
     the stage-1 MoE layers only: data parallelism leaves it out and the optimizer never steps it
     (it gets no gradient), on one device as under the pipeline. Measured: loss 9.9e-8, first-step
     gradient 2.1e-7 relative."""
-    arch = "afmoe"
-    reference = train_reference(
-        lambda: _build(arch),
-        _batches(_build(arch).config.vocab_size),
-        lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2),
-    )
-    results = run_on_ranks(_pipeline_run, world_size=2, args=(arch, 1), timeout_s=120)
-    losses, gradients = zip(*results, strict=True)
-    errors = assert_matches_reference(
-        reference, losses, gradients, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL, label=f"{arch} pp2 dp1"
-    )
-    print(f"{arch} pp2 dp1: worst loss error {errors[0]:.2e}, first-step gradient {errors[1]:.2e}")
+    _assert_pipeline_matches_single_device("afmoe", zero_stage=1)
 
 
 def test_model_code_reading_another_stages_parameter_runs():
     """Llama 4's forward moves the token ids to ``embed_tokens.weight.device`` on every stage;
     stage 1 holds a one-element stand-in of that weight (its device, dtype and shape), not
     ``None``. Measured: loss 9.8e-8, first-step gradient 2.3e-7 relative."""
-    arch = "llama4_text"
-    reference = train_reference(
-        lambda: _build(arch),
-        _batches(_build(arch).config.vocab_size),
-        lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2),
-    )
-    results = run_on_ranks(_pipeline_run, world_size=2, args=(arch,), timeout_s=120)
-    losses, gradients = zip(*results, strict=True)
-    errors = assert_matches_reference(
-        reference, losses, gradients, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL, label=f"{arch} pp2"
-    )
-    print(f"{arch} pp2: worst loss error {errors[0]:.2e}, first-step gradient {errors[1]:.2e}")
+    _assert_pipeline_matches_single_device("llama4_text")
 
 
 def test_value_reaching_later_blocks_outside_the_hidden_state_is_refused():

@@ -25,7 +25,7 @@ from vescale.dmodule.testing.moe_models import global_batch, tiny_moe
 from vescale.dpipe import PipelinePlan, pipeline_parallelize
 from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
-from vescale.dtensor.testing.reference import assert_matches_reference, train_reference
+from vescale.dtensor.testing.reference import assert_runs_match_reference, train_reference
 
 STEPS = 2
 BATCH_SIZE = 4
@@ -68,12 +68,7 @@ def test_pp2_load_balancing_loss_counts_every_stages_routers():
         divide_gradients=True,
     )
     runs = run_on_ranks(_pipeline_run, 2)
-    errors = assert_matches_reference(
-        reference,
-        [run["losses"] for run in runs],
-        [run["gradients"] for run in runs],
-        loss_rtol=LOSS_RTOL,
-        grad_rtol=GRAD_RTOL,
-        label="mixtral pp2 1f1b",
+    errors = assert_runs_match_reference(
+        reference, runs, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL, label="mixtral pp2 1f1b"
     )
     print(f"mixtral pp2 with the load-balancing loss: loss {errors[0]:.2e}, gradient {errors[1]:.2e}")

@@ -54,20 +54,25 @@ PLANS = {
 }
 
 
-def _plan(model: torch.nn.Module, key: str):
+def _plan(model: torch.nn.Module, spec: dict):
+    """The plan of one cell of :data:`PLANS` or :data:`COMPOSED_PLANS` (absent options: the defaults)."""
     from vescale.dmodule import plan_tensor_parallel
     from vescale.doptim.plan import DataParallelPlan
     from vescale.planner import Plan
 
-    spec = PLANS[key]
     mesh = spec["mesh"]
-    sharding_plan = plan_tensor_parallel(model).plan if mesh.get("tp", 1) > 1 else None
+    sequence_parallel = spec.get("sequence_parallel", False)
+    sharding_plan = None
+    if mesh.get("tp", 1) > 1:
+        sharding_plan = plan_tensor_parallel(model, sequence_parallel=sequence_parallel).plan
     return Plan(
         mesh=mesh,
         data_parallel=DataParallelPlan(size=mesh.get("dp", 1), zero_stage=spec["zero_stage"]),
         global_batch_size=GLOBAL_BATCH,
         micro_batch_size=GLOBAL_BATCH // (mesh.get("dp", 1) * mesh.get("ep", 1)),
         sharding_plan=sharding_plan,
+        sequence_parallel=sequence_parallel,
+        activation_checkpointing=spec.get("recompute", "none"),
         expert_tensor_parallel=spec.get("expert_tp"),
     )
 
@@ -84,7 +89,7 @@ def _train_like_one_device(name: str, key: str, optimizer_kind: str, steps: int)
 
     reference = tiny_moe(name)
     model = copy.deepcopy(reference)
-    plan = _plan(model, key)
+    plan = _plan(model, PLANS[key])
     model, optimizer, _, _ = vescale.parallelize(plan, model, _optimizer(optimizer_kind))
     mesh = model.mesh
     reference_optimizer = _optimizer(optimizer_kind)(reference)
@@ -171,29 +176,6 @@ COMPOSED_PLANS = {
 COMPOSED_SGD_LR = 0.5
 
 
-def _composed_plan(model: torch.nn.Module, key: str):
-    from vescale.dmodule import plan_tensor_parallel
-    from vescale.doptim.plan import DataParallelPlan
-    from vescale.planner import Plan
-
-    spec = COMPOSED_PLANS[key]
-    mesh = spec["mesh"]
-    sequence_parallel = spec.get("sequence_parallel", False)
-    sharding_plan = None
-    if mesh.get("tp", 1) > 1:
-        sharding_plan = plan_tensor_parallel(model, sequence_parallel=sequence_parallel).plan
-    return Plan(
-        mesh=mesh,
-        data_parallel=DataParallelPlan(size=mesh.get("dp", 1), zero_stage=spec["zero_stage"]),
-        global_batch_size=GLOBAL_BATCH,
-        micro_batch_size=GLOBAL_BATCH // (mesh.get("dp", 1) * mesh.get("ep", 1)),
-        sharding_plan=sharding_plan,
-        sequence_parallel=sequence_parallel,
-        activation_checkpointing=spec.get("recompute", "none"),
-        expert_tensor_parallel=spec.get("expert_tp"),
-    )
-
-
 def _composed_run(name: str, key: str, steps: int) -> dict:
     import vescale
     from vescale.dmodule.experts import expert_parallel_state
@@ -202,7 +184,7 @@ def _composed_run(name: str, key: str, steps: int) -> dict:
     torch.set_num_threads(1)
     model = tiny_moe(name)
     model, optimizer, _, _ = vescale.parallelize(
-        _composed_plan(model, key),
+        _plan(model, COMPOSED_PLANS[key]),
         model,
         lambda m: torch.optim.SGD(m.parameters(), lr=COMPOSED_SGD_LR),
         compile=COMPOSED_PLANS[key].get("compile", False),
@@ -241,7 +223,7 @@ def _composed_run(name: str, key: str, steps: int) -> dict:
 def test_expert_parallel_composes_with(key):
     """Every rank's loss of every step within 1e-4 relative of one process training the global batches,
     every parameter's first-step gradient within 1e-5 relative (tiny Mixtral, SGD)."""
-    from vescale.dtensor.testing.reference import assert_matches_reference, train_reference
+    from vescale.dtensor.testing.reference import assert_runs_match_reference, train_reference
 
     name = "mixtral"
     reference = train_reference(
@@ -250,13 +232,8 @@ def test_expert_parallel_composes_with(key):
         lambda m: torch.optim.SGD(m.parameters(), lr=COMPOSED_SGD_LR),
     )
     runs = run_on_ranks(_composed_run, 4, (name, key, STEPS), timeout_s=300)
-    errors = assert_matches_reference(
-        reference,
-        [run["losses"] for run in runs],
-        [run["gradients"] for run in runs],
-        loss_rtol=LOSS_RTOL,
-        grad_rtol=GRAD_RTOL,
-        label=f"{name} {key}",
+    errors = assert_runs_match_reference(
+        reference, runs, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL, label=f"{name} {key}"
     )
     forwards = [run["experts_forwards"] for run in runs]
     print(f"{name} {key}: loss {errors[0]:.2e}, first-step gradient {errors[1]:.2e}, forwards {forwards}")
@@ -277,7 +254,7 @@ def test_compile_with_expert_and_tensor_parallelism_is_refused():
 
     model = tiny_moe("mixtral")
     with pytest.raises(UnsupportedPlanError, match=r"ep=2, tp=2.*use compile=False, or compile with tp=1"):
-        vescale.parallelize(_composed_plan(model, "ep2xtp2-sequence-parallel"), model, compile=True)
+        vescale.parallelize(_plan(model, COMPOSED_PLANS["ep2xtp2-sequence-parallel"]), model, compile=True)
 
 
 # pp2 x ep2: two pipeline stages, each an ep2 group over which the global batch is split; each
@@ -353,7 +330,7 @@ def test_pp2_ep2_trains_like_one_device(name):
     (the issue's bound); every parameter's first-step gradient, over both stages, within 1e-5 relative
     (float32 sums in another order: the grouped GEMM's rows, the ep all-reduce); each rank holds half
     of its stage's expert parameters."""
-    from vescale.dtensor.testing.reference import assert_matches_reference, train_reference
+    from vescale.dtensor.testing.reference import assert_runs_match_reference, train_reference
 
     reference = train_reference(
         lambda: _pipeline_model(name),
@@ -364,13 +341,8 @@ def test_pp2_ep2_trains_like_one_device(name):
         lambda m: torch.optim.SGD(m.parameters(), lr=PIPELINE_SGD_LR),
     )
     runs = run_on_ranks(_pipeline_expert_parallel_run, 4, (name, STEPS), timeout_s=300)
-    errors = assert_matches_reference(
-        reference,
-        [run["losses"] for run in runs],
-        [run["gradients"] for run in runs],
-        loss_rtol=LOSS_RTOL,
-        grad_rtol=GRAD_RTOL,
-        label=f"{name} pp2xep2",
+    errors = assert_runs_match_reference(
+        reference, runs, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL, label=f"{name} pp2xep2"
     )
     print(f"{name} pp2xep2: loss {errors[0]:.2e}, first-step gradient {errors[1]:.2e}")
     assert [run["expert_share"] for run in runs] == [0.5] * 4
@@ -385,7 +357,7 @@ def _deferred_experts_are_the_single_device_slices(key: str) -> dict:
     torch.manual_seed(0)  # tiny_moe's seed: the same draws as eager construction
     deferred = vescale.deferred_init(transformers.AutoModelForCausalLM.from_config, eager.config)
     deferred.train()
-    model, _, _, _ = vescale.parallelize(_plan(eager, key), deferred)
+    model, _, _, _ = vescale.parallelize(_plan(eager, PLANS[key]), deferred)
     mesh = model.mesh
     ep_rank, ep = mesh.get_local_rank("ep"), mesh.size(mesh.mesh_dim_names.index("ep"))
     reference = dict(eager.named_parameters())

@@ -34,6 +34,7 @@ from vescale.dtensor.testing.numerics import assert_close_by_fqn, assert_losses_
 __all__ = [
     "ReferenceRun",
     "assert_matches_reference",
+    "assert_runs_match_reference",
     "micro_batch",
     "model_loss",
     "optimizer_state_by_fqn",
@@ -155,6 +156,29 @@ def assert_matches_reference(
     what = f"{label} first-step gradient".strip()
     grad_error = assert_close_by_fqn(merged, reference.first_gradients(merged), grad_rtol or 0.0, what)
     return loss_error, grad_error
+
+
+def assert_runs_match_reference(
+    reference: ReferenceRun,
+    runs: Sequence[Mapping[str, Any]],
+    *,
+    loss_rtol: float,
+    grad_rtol: float | None = None,
+    label: str = "",
+) -> tuple[float, float]:
+    """:func:`assert_matches_reference` on what ``run_on_ranks`` returned: one dict per rank with that
+    rank's ``"losses"`` and its ``{fqn: gradient}`` under ``"gradients"`` (other keys are left alone).
+
+    Example::
+
+        runs = run_on_ranks(train_on_rank, 4)   # each rank: {"losses": [...], "gradients": {...}}
+        errors = assert_runs_match_reference(reference, runs, loss_rtol=1e-4, grad_rtol=1e-5, label="ep2")
+    """
+    losses = [run["losses"] for run in runs]
+    gradients = [run["gradients"] for run in runs]
+    return assert_matches_reference(
+        reference, losses, gradients, loss_rtol=loss_rtol, grad_rtol=grad_rtol, label=label
+    )
 
 
 def train_steps(

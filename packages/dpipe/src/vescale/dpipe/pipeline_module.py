@@ -39,7 +39,7 @@ from vescale.dpipe.stage_inputs import check_stage_inputs
 from vescale.dpipe.stage_module import PipelineStageModule, StageRouter
 from vescale.dpipe.tracing import ModelTrace, default_example_batch, trace_model
 
-__all__ = ["PipelineModule", "pipeline_parallelize"]
+__all__ = ["ModuleWrapper", "PipelineModule", "pipeline_parallelize"]
 
 
 def _loss_of_last_stage(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
@@ -47,7 +47,30 @@ def _loss_of_last_stage(output: tuple[torch.Tensor, torch.Tensor], target: torch
     return output[0]
 
 
-class PipelineModule(nn.Module):
+class ModuleWrapper(nn.Module):
+    """A module around :attr:`module` whose state dict is the wrapped module's own: the model's FQNs,
+    without the wrapper's ``module.`` prefix, so that a checkpoint does not depend on the wrapping.
+
+    Example::
+
+        class Wrapped(ModuleWrapper):
+            def __init__(self, module: nn.Module) -> None:
+                super().__init__()
+                self.module = module
+    """
+
+    module: nn.Module
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+class PipelineModule(ModuleWrapper):
     """A model cut into pipeline stages; this rank holds :attr:`stage_indices` of them.
 
     Build it with :func:`pipeline_parallelize`. ``parameters()`` lists only this rank's;
@@ -147,14 +170,6 @@ class PipelineModule(nn.Module):
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> Any:
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _schedule(self, batch: Mapping[str, Any], training: bool, has_labels: bool) -> Any:
         # PyTorch stages fix their activation shapes on first use: one schedule per input shape.

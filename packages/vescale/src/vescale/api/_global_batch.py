@@ -38,6 +38,7 @@ from vescale.api.errors import UnsupportedPlanError
 from vescale.doptim import data_parallel_of
 from vescale.doptim.mesh_groups import mesh_dims_group
 from vescale.dpipe import loss_with_backward_done
+from vescale.dpipe.pipeline_module import ModuleWrapper
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -79,7 +80,7 @@ def _concatenated(outputs: list[Any], loss: torch.Tensor) -> Any:
     return _with_loss(result, loss)
 
 
-class ParallelizedModel(nn.Module):
+class ParallelizedModel(ModuleWrapper):
     """The user's parallelized model (:attr:`module`), called on one rank's share of the global batch.
 
     Attributes the wrapper lacks (``config``, ``generate``...) are the wrapped model's;
@@ -168,14 +169,6 @@ class ParallelizedModel(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(super().__getattr__("module"), name)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> Any:
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     # torch types the ReduceOp members as ReduceOp.RedOpType.
     def _all_reduce(

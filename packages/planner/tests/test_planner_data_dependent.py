@@ -2,7 +2,7 @@
 
 ``transformers``' Llama with ``use_cache=False`` asks whether the positions are packed sequences
 (``(position_ids[:, -1] == 0).all()``) during its forward; the planner answers such reads as an
-ordinary training batch would (:class:`vescale.planner._meta_forward.MetaValuePolicy`).
+ordinary training batch would (:class:`vescale.dtensor.deferred.fake_values.FakeValuePolicy`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 import transformers
 
+from vescale.dtensor.deferred.fake_values import FakeValuePolicy
 from vescale.planner import ParallelChoices, estimate_memory, generate_plan
-from vescale.planner._meta_forward import MetaValuePolicy
 
 _SIZES = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64
@@ -59,8 +59,33 @@ def test_tied_embedding_models_without_kv_cache_are_planned_with_tensor_parallel
 
 def test_value_reads_on_meta_tensors_answer_as_an_ordinary_batch():
     positions = torch.zeros(2, 8, dtype=torch.long, device="meta")
-    with MetaValuePolicy():
+    with FakeValuePolicy():
         assert bool((positions == 0).all()) is True
         assert bool((positions < 0).any()) is False
         assert positions.sum().item() == 0
         assert torch.nonzero(positions).shape == (1, 2)
+
+
+def test_boolean_mask_selection_on_meta_and_fake_tensors_finds_one_hit():
+    hidden = torch.zeros(2, 8, 4, device="meta")
+    mask = torch.zeros(2, 8, dtype=torch.bool, device="meta")
+    with FakeValuePolicy() as values:
+        selected = hidden[mask]
+        assert selected.shape == (1, 4)
+        hidden[mask] = selected
+        assert torch.masked_select(hidden, hidden > 0).shape == (1,)
+    assert values.guessed_shapes == 2  # the index and masked_select; an assignment keeps its shape
+
+
+def test_a_deferred_xmod_selecting_tokens_per_language_by_mask_is_planned():
+    # X-MOD's language adapters select each language's tokens with hidden_states[lang_ids == i]:
+    # on a deferred (fake) model that index has no shape until the policy answers it.
+    import vescale
+    from vescale.dtensor.testing.models.hf_architectures import build_tiny_causal_lm
+
+    model = vescale.deferred_init(build_tiny_causal_lm, "xmod", None)
+    constraints = {"data_parallel.size": 2, "tensor_parallel.size": 2, "global_batch_size": 4}
+    plan = generate_plan(model, constraints, world_size=4)
+    assert plan.mesh_size("tp") == 2 and plan.memory_estimate.total > 0
+    sharded = plan.to_dict()["tensor_parallel"]["sharding_plan"]["parameter"]
+    assert any("adapter_modules" in pattern for pattern in sharded), "the traced adapters are sharded"

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from vescale.dtensor import _compat
+from vescale.dtensor.deferred.fake_values import FakeValuePolicy
 
 __all__ = ["DataflowTrace", "Projection", "trace_dataflow"]
 
@@ -274,11 +275,6 @@ class _Tracer(_DispatchModeBase):
             rows = mat_a.shape[0] if mat_a.ndim == 2 else mat_a.shape[1]
             shape = (rows, mat_b.shape[-1]) if mat_a.ndim == 2 else (mat_a.shape[0], rows, mat_b.shape[-1])
             return torch.empty(shape, dtype=mat_a.dtype, device="meta")
-        if meta and func is aten.nonzero.default:
-            # Data-dependent: pretend one hit, so that every branch that depends on it is traced.
-            return torch.zeros((1, args[0].ndim), dtype=torch.long, device="meta")
-        if meta and func in (aten._local_scalar_dense.default, aten.is_nonzero.default):
-            return 0 if func is aten._local_scalar_dense.default else False
         return func(*args, **kwargs)
 
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -557,7 +553,9 @@ def trace_dataflow(
         handles.append(module.register_forward_pre_hook(enter(fqn)))
         handles.append(module.register_forward_hook(leave(fqn), always_call=True))
     try:
-        with torch.no_grad(), tracer:
+        # FakeValuePolicy (inside the tracer): the values a deferred model's code reads (X-MOD's
+        # boolean-mask token selection) are answered as a batch would, so its trace runs on.
+        with torch.no_grad(), tracer, FakeValuePolicy():
             model(*example_args, **(example_kwargs or {}))
     finally:
         for handle in handles:

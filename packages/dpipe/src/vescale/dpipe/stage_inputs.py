@@ -32,8 +32,8 @@ from torch.utils._pytree import tree_leaves
 
 from vescale.dpipe import _compat
 from vescale.dpipe.errors import PipelineCutError
-from vescale.dpipe.fake_values import FakeValuePolicy
 from vescale.dpipe.split import StageLayout
+from vescale.dtensor.deferred.fake_values import FakeValuePolicy
 from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
 
 __all__ = ["check_stage_inputs"]

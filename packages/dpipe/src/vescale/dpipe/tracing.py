@@ -23,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from vescale.dpipe import _compat
 from vescale.dpipe.errors import PipelineCutError
-from vescale.dpipe.fake_values import FakeValuePolicy
+from vescale.dtensor.deferred.fake_values import FakeValuePolicy
 from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
 
 __all__ = ["ModelTrace", "default_example_batch", "trace_model"]

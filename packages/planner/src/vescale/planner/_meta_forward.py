@@ -14,9 +14,8 @@ mixture-of-experts models:
 
 Model code also reads values during its forward (``transformers``' packed-sequence detection
 asks ``(position_ids[:, -1] == 0).all()`` once ``use_cache=False``), which meta tensors cannot
-answer: :class:`MetaValuePolicy` answers such reads with the values of an ordinary training
-batch (an ``all()`` is true, an ``any()`` false: no padding, no packing, no overflow; any other
-scalar read is 0, and ``nonzero`` finds one hit so that every branch after it is traced).
+answer: ``vescale.dtensor.deferred.fake_values.FakeValuePolicy`` (shared with dmodule's trace
+and dpipe's split) answers such reads with the values of an ordinary training batch.
 
 Example::
 
@@ -32,48 +31,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["MetaValuePolicy", "meta_parameters"]
-
-_aten = torch.ops.aten
-_ALL_OPS = (_aten.all.default, _aten.all.dim, _aten.all.dims)
-_ANY_OPS = (_aten.any.default, _aten.any.dim, _aten.any.dims)
-_SCALAR_READS = (_aten._local_scalar_dense.default, _aten.is_nonzero.default)
-
-
-class MetaValuePolicy(TorchDispatchMode):
-    """Answer data-dependent reads of meta tensors as an ordinary training batch would (module docstring).
-
-    Example::
-
-        with MetaValuePolicy():
-            bool((torch.zeros(2, 3, device="meta") == 0).all())   # True
-    """
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-        self.known: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-        self.guessed_shapes = 0  # nonzero answers: the shapes after them are a guess
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        meta = any(isinstance(arg, torch.Tensor) and arg.is_meta for arg in args)
-        if not meta:
-            return func(*args, **kwargs)
-        if func in _SCALAR_READS:
-            value = self.known.get(args[0], 0)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-            return bool(value) if func is _aten.is_nonzero.default else value
-        if func is _aten.nonzero.default:
-            self.guessed_shapes += 1
-            return torch.zeros((1, args[0].ndim), dtype=torch.long, device="meta")
-        output = func(*args, **kwargs)
-        if func in _ALL_OPS or func in _ANY_OPS:
-            self.known[output] = func in _ALL_OPS
-        return output
+__all__ = ["meta_parameters"]
 
 
 @contextlib.contextmanager

@@ -35,8 +35,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vescale.dmodule.experts import find_moe_blocks
+from vescale.dtensor.deferred.fake_values import FakeValuePolicy
 from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
-from vescale.planner._meta_forward import MetaValuePolicy
 from vescale.planner.errors import PlanError
 from vescale.planner.op_costs import OpCost, OpCostRecorder, attention_cost
 from vescale.planner.selective import KEPT_COMPUTE_OPS
@@ -268,7 +268,7 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
     args, kwargs = _example_inputs(model, micro_batch_size, sequence_length)
     try:
         saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
-        values = MetaValuePolicy()
+        values = FakeValuePolicy()
         with saving, attention, GroupedMatmulShapes(), values, _KeptOutputs(keep, attention), recorder:
             outputs = functional_call(model, meta, args, kwargs)
         if values.guessed_shapes:

@@ -83,6 +83,18 @@ def _optimizer(kind: str):
     return lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
 
 
+def _batches(steps: int, first_step: int = 0, mesh=None) -> list[dict]:
+    """The batches of steps ``first_step ..`` (step ``s`` trains on global batch ``s + 1``): the whole
+    global batch, or with ``mesh`` this rank's share of it over dp x ep."""
+    batches = []
+    for step in range(first_step, first_step + steps):
+        ids = global_batch(seed=step + 1, batch_size=GLOBAL_BATCH)
+        if mesh is not None:
+            ids = batch_shard(ids, mesh, ("dp", "ep"))
+        batches.append({"input_ids": ids, "labels": ids})
+    return batches
+
+
 def _train_like_one_device(name: str, key: str, optimizer_kind: str, steps: int) -> dict:
     import vescale
     from vescale.doptim import clip_grad_norm_
@@ -199,9 +211,8 @@ def _composed_run(name: str, key: str, steps: int) -> dict:
     local = sum(p.to_local().numel() for n, p in model.module.named_parameters() if ".experts." in n)
     total = sum(p.numel() for n, p in model.module.named_parameters() if ".experts." in n)
     losses, gradients = [], {}
-    for step in range(steps):
-        local_ids = batch_shard(global_batch(step + 1, GLOBAL_BATCH), model.mesh, ("dp", "ep"))
-        loss = model(input_ids=local_ids, labels=local_ids).loss
+    for step, batch in enumerate(_batches(steps, mesh=model.mesh)):
+        loss = model(**batch).loss
         loss.backward()
         if step == 0:
             optimizer.prepare_grads()  # the dp x ep reductions done: every gradient as the optimizer steps it
@@ -228,7 +239,7 @@ def test_expert_parallel_composes_with(key):
     name = "mixtral"
     reference = train_reference(
         lambda: tiny_moe(name),
-        [{"input_ids": ids, "labels": ids} for ids in (global_batch(s + 1) for s in range(STEPS))],
+        _batches(STEPS),
         lambda m: torch.optim.SGD(m.parameters(), lr=COMPOSED_SGD_LR),
     )
     runs = run_on_ranks(_composed_run, 4, (name, key, STEPS), timeout_s=300)
@@ -290,14 +301,6 @@ def _pipeline_plan():
     )
 
 
-def _pipeline_batches(mesh, steps: int) -> list[dict]:
-    batches = []
-    for step in range(steps):
-        local_ids = batch_shard(global_batch(seed=step + 1, batch_size=GLOBAL_BATCH), mesh, ("dp", "ep"))
-        batches.append({"input_ids": local_ids, "labels": local_ids})
-    return batches
-
-
 def _pipeline_expert_parallel_run(name: str, steps: int) -> dict:
     import vescale
     from vescale.dtensor.testing.numerics import full_parameters, sgd_step_gradients
@@ -310,13 +313,13 @@ def _pipeline_expert_parallel_run(name: str, steps: int) -> dict:
     experts = {n: p for n, p in model.module.named_parameters() if ".experts." in n}
     local_expert_numel = sum(p.to_local().numel() for p in experts.values())
     stage_expert_numel = sum(p.numel() for p in experts.values())
-    losses = train_steps(model, optimizer, _pipeline_batches(model.mesh, steps))
+    losses = train_steps(model, optimizer, _batches(steps, mesh=model.mesh))
     # The first step's gradients, from one SGD step at a large rate on a fresh copy.
     model, optimizer, _, _ = vescale.parallelize(
         _pipeline_plan(), _pipeline_model(name), lambda m: torch.optim.SGD(m.parameters(), lr=GRADIENT_SGD_LR)
     )
     before = full_parameters(model)
-    train_steps(model, optimizer, _pipeline_batches(model.mesh, 1))
+    train_steps(model, optimizer, _batches(1, mesh=model.mesh))
     return {
         "losses": losses,
         "gradients": sgd_step_gradients(before, full_parameters(model), GRADIENT_SGD_LR),
@@ -334,10 +337,7 @@ def test_pp2_ep2_trains_like_one_device(name):
 
     reference = train_reference(
         lambda: _pipeline_model(name),
-        [
-            {"input_ids": ids, "labels": ids}
-            for ids in (global_batch(s + 1, GLOBAL_BATCH) for s in range(STEPS))
-        ],
+        _batches(STEPS),
         lambda m: torch.optim.SGD(m.parameters(), lr=PIPELINE_SGD_LR),
     )
     runs = run_on_ranks(_pipeline_expert_parallel_run, 4, (name, STEPS), timeout_s=300)
@@ -430,30 +430,15 @@ CONTINUED = 2  # SGD steps after the load
 
 def _sgd_curve(model: torch.nn.Module, first_step: int, steps: int) -> list[float]:
     """Single-device SGD losses of global batches ``first_step ..`` (the reference's batches)."""
-    sgd = _optimizer("sgd")(model)
-    losses = []
-    for step in range(first_step, first_step + steps):
-        ids = global_batch(seed=step + 1, batch_size=GLOBAL_BATCH)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        sgd.step()
-        sgd.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses
+    from vescale.dtensor.testing.reference import train_steps
+
+    return train_steps(model, _optimizer("sgd")(model), _batches(steps, first_step))
 
 
 def _parallel_curve(model, optimizer, first_step: int, steps: int) -> list[float]:
-    losses = []
-    for step in range(first_step, first_step + steps):
-        local_ids = batch_shard(
-            global_batch(seed=step + 1, batch_size=GLOBAL_BATCH), model.mesh, ("dp", "ep")
-        )
-        loss = model(input_ids=local_ids, labels=local_ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses
+    from vescale.dtensor.testing.reference import train_steps
+
+    return train_steps(model, optimizer, _batches(steps, first_step, model.mesh))
 
 
 def _ep_model(ep: int, seed: int):

@@ -65,11 +65,20 @@ class FullyShardedState:
 
 
 def _fully_shard_units(model: nn.Module) -> list[nn.Module]:
-    """Every element of every ``nn.ModuleList`` (outermost lists first), then the root."""
+    """Every element of every outermost ``nn.ModuleList`` (the blocks), then the root.
+
+    A list inside a block (LongCat-Flash's two attentions per layer) is left to its block's
+    unit: FSDP2 shards a module's parameters once, so wrapping the block and then a module in
+    it would hand the inner one parameters that are sharded over dp already.
+    """
     units: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            units.extend(child for child in module if not any(child is unit for unit in units))
+    inside_units: set[int] = set()
+    for module in model.modules():  # parents before their children
+        if isinstance(module, nn.ModuleList) and id(module) not in inside_units:
+            for child in module:
+                if id(child) not in inside_units:
+                    units.append(child)
+                    inside_units.update(id(inner) for inner in child.modules())
     return [*units, model]
 
 

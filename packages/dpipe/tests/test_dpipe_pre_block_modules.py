@@ -130,3 +130,13 @@ def test_value_reaching_later_blocks_outside_the_hidden_state_is_refused():
     layout = split_model(model, PipelinePlan(size=2), trace_model(model, batch))
     with pytest.raises(PipelineCutError, match=r"uses the output of 'cpmant.position_bias'"):
         check_stage_inputs(model, layout, batch)
+
+
+@pytest.mark.parametrize("arch", ["blenderbot", "bamba"])
+def test_skipped_units_return_what_the_unit_returns(arch: str):
+    """On stage 1, stage 0's units are skipped and must return what they return when run:
+    BlenderBot's learned positions are an ``nn.Embedding`` called with the input's shape (not
+    token ids), so their own forward gives the shape; Bamba's decoder layers return
+    ``(hidden_states, attention_weights)``, which its model unpacks. Before, stage 1 raised
+    ("'tuple' object has no attribute 'shape'", "not enough values to unpack") and stage 0 hung."""
+    _assert_pipeline_matches_single_device(arch)

@@ -95,7 +95,7 @@ class StageRouter:
         self.active_stage: int | None = None
         self.received: torch.Tensor | None = None
         for unit_fqn, stage_index in layout.unit_stage.items():
-            self._gate(model.get_submodule(unit_fqn), stage_index, trace.returns_tensor.get(unit_fqn, True))
+            self._gate(model.get_submodule(unit_fqn), stage_index, trace.output_lengths.get(unit_fqn))
         for boundary_index, boundary_fqn in enumerate(layout.boundaries):
             # Boundary k is where stage k ends and stage k + 1 starts.
             model.get_submodule(boundary_fqn).register_forward_pre_hook(
@@ -115,19 +115,26 @@ class StageRouter:
                         stand_in = torch.zeros((), dtype=parameter.dtype, device=device or "cpu")
                         setattr(module, name, stand_in.expand(parameter.shape))
 
-    def _gate(self, unit: nn.Module, unit_stage: int, returns_tensor: bool) -> None:
+    def _gate(self, unit: nn.Module, unit_stage: int, output_length: int | None) -> None:
         original_forward = unit.forward
         router = self
         if isinstance(unit, nn.Embedding):
             embedding_dim, dtype = unit.embedding_dim, unit.weight.dtype
 
             def skipped(*args: Any, **kwargs: Any) -> Any:
-                return torch.zeros(*args[0].shape, embedding_dim, dtype=dtype, device=args[0].device)
+                if args and isinstance(args[0], torch.Tensor):
+                    return torch.zeros(*args[0].shape, embedding_dim, dtype=dtype, device=args[0].device)
+                # An embedding subclass with its own arguments (BlenderBot's learned positions take
+                # the input's shape): its own forward gives the shape; the value is never used.
+                return original_forward(*args, **kwargs)
         else:
 
             def skipped(*args: Any, **kwargs: Any) -> Any:
                 hidden_state = args[0] if args else kwargs["hidden_states"]
-                return hidden_state if returns_tensor else (hidden_state,)
+                if output_length is None:
+                    return hidden_state
+                # The hidden state first, as the unit returns it; the rest (attention weights) unused.
+                return (hidden_state, *(None,) * (output_length - 1))
 
         def gated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if router.active_stage is not None and unit_stage < router.active_stage:

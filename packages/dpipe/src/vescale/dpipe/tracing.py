@@ -39,7 +39,9 @@ class ModelTrace:
     # FLOPs counted before each module's first call began (to cost what runs between modules).
     flops_before: dict[str, int]
     total_flops: int
-    returns_tensor: dict[str, bool]
+    # What each module returned: None for a tensor, else the length of its tuple (Bamba's layers
+    # return (hidden_states, attention_weights)); a skipped unit returns the same shape.
+    output_lengths: dict[str, int | None]
     # The class of the model's output (e.g. CausalLMOutputWithPast), rebuilt by the pipeline.
     output_type: type
 
@@ -69,7 +71,7 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
     call_index: dict[str, int] = {}
     forward_flops: dict[str, int] = {}
     flops_before: dict[str, int] = {}
-    returns_tensor: dict[str, bool] = {}
+    output_lengths: dict[str, int | None] = {}
     flop_counter = FlopCounterMode(display=False)
 
     def before(fqn: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
@@ -84,7 +86,7 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if fqn not in forward_flops:
                 forward_flops[fqn] = flop_counter.get_total_flops() - flops_before[fqn]
-                returns_tensor[fqn] = isinstance(output, torch.Tensor)
+                output_lengths[fqn] = len(output) if isinstance(output, tuple) else None
 
         return hook
 
@@ -109,7 +111,7 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
         for handle in handles:
             handle.remove()
     return ModelTrace(
-        call_index, forward_flops, flops_before, flop_counter.get_total_flops(), returns_tensor, type(output)
+        call_index, forward_flops, flops_before, flop_counter.get_total_flops(), output_lengths, type(output)
     )
 
 

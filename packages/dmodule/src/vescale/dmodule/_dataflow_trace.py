@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from vescale.dmodule.errors import ShardingPlanError
 from vescale.dtensor import _compat
 from vescale.dtensor.deferred.fake_values import FakeValuePolicy
 
@@ -199,6 +200,7 @@ class _Tracer(_DispatchModeBase):
         super().__init__()
         self.parameter_names = parameters
         self.modules = modules
+        self.failed_in: str | None = None
         self.module_stack: list[str] = []
         """FQNs of the modules whose forward is running, outermost first."""
         self.views: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -262,7 +264,12 @@ class _Tracer(_DispatchModeBase):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        output = self._run(func, args, kwargs)
+        try:
+            output = self._run(func, args, kwargs)
+        except Exception:
+            if self.failed_in is None:  # the module running when an op first failed
+                self.failed_in = self.module_stack[-1] if self.module_stack else "<root>"
+            raise
         # An op this trace cannot model (odd argument forms) carries no feature information forward.
         with contextlib.suppress(IndexError, KeyError, ValueError, ZeroDivisionError):
             self._record(func, args, kwargs, output)
@@ -557,6 +564,14 @@ def trace_dataflow(
         # boolean-mask token selection) are answered as a batch would, so its trace runs on.
         with torch.no_grad(), tracer, FakeValuePolicy():
             model(*example_args, **(example_kwargs or {}))
+    except Exception as error:
+        running = tracer.failed_in or "<root>"
+        raise ShardingPlanError(
+            f"the automatic plan could not trace {type(model).__name__}'s forward on tensors without "
+            f"data to recognise its modules: module '{running}' raised {type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''} (a value it reads, such as per-expert "
+            "token counts, has no stand-in); give the model a manual sharding plan instead"
+        ) from error
     finally:
         for handle in handles:
             handle.remove()

@@ -77,10 +77,16 @@ def default_memory_per_device_gb(devices_per_node: int) -> float:
     return ram / devices_per_node / _GIB
 
 
+# The config names under which transformers' models give their longest sequence (MPT: max_seq_len,
+# whose ALiBi table has that many positions).
+_LONGEST_SEQUENCE_NAMES = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length")
+
+
 def _default_sequence_length(model: nn.Module) -> tuple[int, str]:
     config = getattr(model, "config", None)
-    longest = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if isinstance(longest, int) and longest < _DEFAULT_SEQUENCE_LENGTH:
+    limits = [getattr(config, name, None) for name in _LONGEST_SEQUENCE_NAMES]
+    longest = min((limit for limit in limits if isinstance(limit, int) and limit > 0), default=None)
+    if longest is not None and longest < _DEFAULT_SEQUENCE_LENGTH:
         return longest, f"the model's longest sequence ({longest} positions)"
     return (
         _DEFAULT_SEQUENCE_LENGTH,

@@ -47,17 +47,27 @@ class StageLayout:
 def find_blocks(model: nn.Module) -> tuple[str, ...]:
     """The FQNs of the model's repeated blocks: the longest ``ModuleList`` of same-class modules.
 
+    A hybrid model whose layers are of several classes (Jamba's Mamba and attention layers, in
+    one list) has no such list of two or more: its longest ``ModuleList`` is taken instead. The
+    split checks either way that each later stage needs only the hidden state
+    (:mod:`vescale.dpipe.stage_inputs`).
+
     Example::
 
         assert find_blocks(llama)[0] == "model.layers.0"
     """
-    best: tuple[str, ...] = ()
+    same: tuple[str, ...] = ()
+    mixed: tuple[str, ...] = ()
     for fqn, module in model.named_modules():
-        same_class = len({type(child) for child in module.children()}) == 1
-        if isinstance(module, nn.ModuleList) and len(module) > len(best) and same_class:
-            prefix = f"{fqn}." if fqn else ""
-            best = tuple(f"{prefix}{index}" for index in range(len(module)))
-    return best
+        if not isinstance(module, nn.ModuleList):
+            continue
+        prefix = f"{fqn}." if fqn else ""
+        members = tuple(f"{prefix}{index}" for index in range(len(module)))
+        if len({type(child) for child in module.children()}) == 1:
+            same = members if len(members) > len(same) else same
+        elif len(members) > len(mixed):
+            mixed = members
+    return same if len(same) >= 2 or not mixed else mixed
 
 
 def split_model(model: nn.Module, plan: PipelinePlan, trace: ModelTrace) -> StageLayout:

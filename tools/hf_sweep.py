@@ -10,6 +10,7 @@ Example::
     python tools/hf_sweep.py --modes tp2,tp2-sp,tp4 --json /tmp/tp.json
     python tools/hf_sweep.py --subset ci --modes tp2
     python tools/hf_sweep.py --full --markdown docs/models.md
+    python tools/hf_sweep.py --merge tp.json pp2.json --markdown docs/models.md
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from hf_sweep_lib.modes import MODES  # noqa: E402
 from hf_sweep_lib.report import (  # noqa: E402
     failure_classes_markdown,
     known_failures_table,
+    merge_records,
     write_json,
     write_markdown,
 )
@@ -53,6 +55,13 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--subset", choices=["ci"], default=None, help="the fixed CI subset of architectures")
     parser.add_argument("--full", action="store_true", help="every architecture in every mode")
     parser.add_argument("--json", default=None, help="write the record as JSON here")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="run nothing: merge these records (a later one's cells replace an earlier one's) and write them",
+    )
     parser.add_argument("--markdown", default=None, help="write the table here (e.g. docs/models.md)")
     parser.add_argument("--classes", default=None, help="write the failures grouped by error class here")
     parser.add_argument(
@@ -181,6 +190,22 @@ def _module_file(name: str) -> str:
     return getattr(importlib.import_module(name), "__file__", "") or ""
 
 
+def _merge(args: argparse.Namespace) -> int:
+    import json
+
+    records = []
+    for path in args.merge:
+        with open(path, encoding="utf-8") as record_file:
+            records.append(json.load(record_file))
+    record = merge_records(records)
+    if args.json:
+        write_json(record, args.json)
+    if args.markdown:
+        write_markdown(record, args.markdown)
+    print(failure_classes_markdown(record, record["modes"]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parse_args(argv)
@@ -191,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    if args.merge:
+        return _merge(args)
     modes = [mode.strip() for mode in args.modes.split(",")] if args.modes else list(MODES)
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown:

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,8 @@ from vescale.dmodule.errors import ShardingPlanError
 from vescale.dtensor.placements import InterleavedShard, placement_to_string
 
 __all__ = ["ResolvedSharding", "ResolvedShardingPlan", "resolve_plan"]
+
+_LOGGER = logging.getLogger("vescale.dmodule")
 
 ParameterEntries = Sequence[tuple[str, TensorPlacements]]
 ForwardEntries = Sequence[tuple[str, str, ForwardPlacements]]
@@ -122,6 +125,32 @@ def _check_possible(
             )
 
 
+def _replicate_dims_too_small(
+    fqn: str, shape: Sequence[int], placements: TensorPlacements, mesh_shape: tuple[Any, ...]
+) -> TensorPlacements:
+    """``placements`` with Replicate where a Shard would split fewer rows than the mesh dim has ranks.
+
+    A BERT token-type table (2 rows) vocab-parallel over 4 ranks leaves two ranks an empty shard,
+    and DTensor refuses the in-place update of such a shard (gradient accumulation's ``add_``:
+    "in-place operations that require placement changes are not supported"). Replicating it
+    computes the same values and saves nothing less than the empty shards would.
+    """
+    adjusted = list(placements)
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard | InterleavedShard) and shape[placement.dim] < mesh_shape[mesh_dim]:
+            _LOGGER.warning(
+                "parameter %r of shape %s: %s on mesh dim %d would split %d rows over %d ranks; replicated",
+                fqn,
+                tuple(shape),
+                placement_to_string(placement),
+                mesh_dim,
+                shape[placement.dim],
+                mesh_shape[mesh_dim],
+            )
+            adjusted[mesh_dim] = Replicate()
+    return tuple(adjusted)
+
+
 def _check_tied(parameters: dict[str, nn.Parameter], resolved: dict[str, ResolvedSharding]) -> None:
     owners: dict[int, str] = {}
     for fqn, parameter in parameters.items():
@@ -178,7 +207,9 @@ def resolve_plan(
         full = _on_full_mesh(placements, mesh_shape, mesh_dim, where)
         for fqn in matched:
             _check_possible(fqn, parameters[fqn].shape, full, mesh_shape)
-            resolved_parameters[fqn] = ResolvedSharding(full, pattern)
+            resolved_parameters[fqn] = ResolvedSharding(
+                _replicate_dims_too_small(fqn, parameters[fqn].shape, full, mesh_shape), pattern
+            )
     apply_head_layouts(
         tuple(heads), resolved_parameters, list(parameters), mesh_shape=mesh_shape, mesh_dim=mesh_dim
     )

@@ -80,10 +80,10 @@ def test_boolean_mask_selection_on_meta_and_fake_tensors_finds_one_hit():
 def test_a_deferred_xmod_selecting_tokens_per_language_by_mask_is_planned():
     # X-MOD's language adapters select each language's tokens with hidden_states[lang_ids == i]:
     # on a deferred (fake) model that index has no shape until the policy answers it.
-    import vescale
+    from vescale.dmodule import deferred_init
     from vescale.dtensor.testing.models.hf_architectures import build_tiny_causal_lm
 
-    model = vescale.deferred_init(build_tiny_causal_lm, "xmod", None)
+    model = deferred_init(build_tiny_causal_lm, "xmod", None)
     constraints = {"data_parallel.size": 2, "tensor_parallel.size": 2, "global_batch_size": 4}
     plan = generate_plan(model, constraints, world_size=4)
     assert plan.mesh_size("tp") == 2 and plan.memory_estimate.total > 0
@@ -94,10 +94,10 @@ def test_a_deferred_xmod_selecting_tokens_per_language_by_mask_is_planned():
 def test_a_model_whose_longest_sequence_is_max_seq_len_is_profiled_within_it():
     # MPT names its longest sequence max_seq_len; its ALiBi table has that many positions, so a
     # profile at the planner's default 2048 tokens stopped on a broadcast of 64 against 2048.
-    import vescale
+    from vescale.dmodule import deferred_init
     from vescale.dtensor.testing.models.hf_architectures import build_tiny_causal_lm
 
-    model = vescale.deferred_init(build_tiny_causal_lm, "mpt", None)
+    model = deferred_init(build_tiny_causal_lm, "mpt", None)
     plan = generate_plan(model, {"tensor_parallel.size": 2, "global_batch_size": 4}, world_size=2)
     assert plan.to_dict()["reasons"]["sequence_length"] == "the model's longest sequence (64 positions)"
     assert model.config.max_seq_len == 64
@@ -106,10 +106,9 @@ def test_a_model_whose_longest_sequence_is_max_seq_len_is_profiled_within_it():
 def test_a_read_value_without_a_stand_in_is_a_typed_error_before_any_computation():
     # JetMoE splits its tokens by per-expert counts read with .tolist(): every count reads 0 on
     # tensors without data, and the split no longer adds up.
-    import vescale
-    from vescale.dmodule import ShardingPlanError
+    from vescale.dmodule import ShardingPlanError, deferred_init
     from vescale.dtensor.testing.models.hf_architectures import build_tiny_causal_lm
 
-    model = vescale.deferred_init(build_tiny_causal_lm, "jetmoe", None)
+    model = deferred_init(build_tiny_causal_lm, "jetmoe", None)
     with pytest.raises(ShardingPlanError, match=r"JetMoeForCausalLM's forward .* split_with_sizes"):
         generate_plan(model, {"tensor_parallel.size": 2, "global_batch_size": 4}, world_size=2)

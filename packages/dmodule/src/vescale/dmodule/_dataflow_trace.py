@@ -267,8 +267,9 @@ class _Tracer(_DispatchModeBase):
         try:
             output = self._run(func, args, kwargs)
         except Exception:
-            if self.failed_in is None:  # the module running when an op first failed
-                self.failed_in = self.module_stack[-1] if self.module_stack else "<root>"
+            # The module running when an op last failed: earlier refusals (a scalar read) may have
+            # been answered by FakeValuePolicy above this mode; the last one is the one that ends the trace.
+            self.failed_in = self.module_stack[-1] if self.module_stack else "<root>"
             raise
         # An op this trace cannot model (odd argument forms) carries no feature information forward.
         with contextlib.suppress(IndexError, KeyError, ValueError, ZeroDivisionError):

@@ -44,17 +44,20 @@ class StageLayout:
         return [fqn for fqn, stage in self.unit_stage.items() if stage == stage_index]
 
 
-def find_blocks(model: nn.Module) -> tuple[str, ...]:
+def find_blocks(model: nn.Module, trace: ModelTrace | None = None) -> tuple[str, ...]:
     """The FQNs of the model's repeated blocks: the longest ``ModuleList`` of same-class modules.
 
     A hybrid model whose layers are of several classes (Jamba's Mamba and attention layers, in
     one list) has no such list of two or more: its longest ``ModuleList`` is taken instead. The
     split checks either way that each later stage needs only the hidden state
-    (:mod:`vescale.dpipe.stage_inputs`).
+    (:mod:`vescale.dpipe.stage_inputs`). Given the ``trace`` of a forward, only lists whose
+    every member ran count: a multimodal model's vision or audio encoder (Phi-4's 24 conformer
+    layers) does not run on a text batch, its language model's layers do.
 
     Example::
 
         assert find_blocks(llama)[0] == "model.layers.0"
+        assert find_blocks(gemma3, trace)[0] == "model.language_model.layers.0"
     """
     same: tuple[str, ...] = ()
     mixed: tuple[str, ...] = ()
@@ -63,6 +66,8 @@ def find_blocks(model: nn.Module) -> tuple[str, ...]:
             continue
         prefix = f"{fqn}." if fqn else ""
         members = tuple(f"{prefix}{index}" for index in range(len(module)))
+        if trace is not None and not all(member in trace.call_index for member in members):
+            continue
         if len({type(child) for child in module.children()}) == 1:
             same = members if len(members) > len(same) else same
         elif len(members) > len(mixed):
@@ -78,7 +83,8 @@ def split_model(model: nn.Module, plan: PipelinePlan, trace: ModelTrace) -> Stag
         layout = split_model(model, PipelinePlan(size=2, split_method="params"), trace)
         print(layout.units_of(0))
     """
-    block_fqns = find_blocks(model)
+    block_fqns = find_blocks(model, trace)
+    _check_blocks_run_once(model, block_fqns, trace)
     units = _units_in_order(model, block_fqns, trace)
     if plan.split_method == "manual":
         boundaries = tuple(plan.split_points)
@@ -102,8 +108,10 @@ def split_model(model: nn.Module, plan: PipelinePlan, trace: ModelTrace) -> Stag
             )
         boundaries = tuple(block_fqns[index] for index in cuts)
     _check_boundaries(model, boundaries, block_fqns, units, trace)
+    # A unit that never ran (Fuyu's image projection on a text batch) stays on stage 0.
     unit_stage = {
-        unit: sum(trace.call_index[cut] <= trace.call_index[unit] for cut in boundaries) for unit in units
+        unit: sum(trace.call_index[cut] <= trace.call_index.get(unit, -1) for cut in boundaries)
+        for unit in units
     }
     layout = StageLayout(boundaries, unit_stage, block_fqns)
     for stage_index in range(layout.num_stages):
@@ -126,16 +134,52 @@ def _units_in_order(model: nn.Module, block_fqns: tuple[str, ...], trace: ModelT
             continue
         if any(_is_inside(fqn, unit) for unit in units):
             continue
-        inner_blocks = [block for block in block_fqns if _is_inside(block, fqn)]
-        if inner_blocks or fqn == "":
-            raise PipelineCutError(
-                f"module {fqn or type(model).__name__!r} uses its own parameters around the blocks "
-                f"({inner_blocks[:1]}); dpipe splits models whose parameters live in embeddings, "
-                "blocks, norms and heads, so move the parameter into a submodule"
-            )
+        if fqn == "" or any(_is_inside(block, fqn) for block in block_fqns):
+            raise PipelineCutError(_own_parameters_message(model, fqn, module, block_fqns, trace))
         units.append(fqn)
     # Modules that never ran (unused) go first: stage 0 keeps them and they receive no gradient.
     return sorted(units, key=lambda unit: trace.call_index.get(unit, -1))
+
+
+def _check_blocks_run_once(model: nn.Module, block_fqns: tuple[str, ...], trace: ModelTrace) -> None:
+    for block in block_fqns:
+        count = trace.call_counts.get(block, 1)
+        if count > 1:
+            raise PipelineCutError(
+                f"{type(model).__name__} runs its block {block!r} {count} times in one forward (its "
+                "blocks run in a loop, as in a recurrent model); a pipeline stage runs each of its "
+                "blocks once per micro-batch and passes the hidden state on, so this model has no "
+                "pipeline split: train it without pipeline parallelism"
+            )
+
+
+def _own_parameters_message(
+    model: nn.Module, fqn: str, module: nn.Module, block_fqns: tuple[str, ...], trace: ModelTrace
+) -> str:
+    """Why ``module``'s own parameters have no stage: which they are and where the forward uses them."""
+    first = trace.call_index.get(block_fqns[0], -1) if block_fqns else -1
+    last = trace.call_index.get(block_fqns[-1], -1) if block_fqns else -1
+    uses = []
+    for name, _ in module.named_parameters(recurse=False):
+        full_name = f"{fqn}.{name}" if fqn else name
+        span = trace.parameter_uses.get(full_name)
+        if span is None:
+            where = "not used by this forward"
+        elif block_fqns and span[1] < first:
+            where = f"used before the first block {block_fqns[0]!r}"
+        elif block_fqns and span[0] >= last:
+            where = "used after the blocks"
+        else:
+            where = "used where the blocks run"
+        uses.append(f"{full_name!r} ({where})")
+    owner = repr(fqn) if fqn else "the model's root"
+    blocks = f"holds the blocks {block_fqns[0]!r}.. and " if block_fqns else ""
+    return (
+        f"module {owner} ({type(module).__name__}) {blocks}has parameters of its own: "
+        f"{', '.join(uses)}; dpipe gives each stage whole submodules (embeddings, blocks, norms, "
+        "head), so a parameter of the module around the blocks belongs to no stage. Move it into "
+        "a submodule that runs before or after the blocks, or train without pipeline parallelism"
+    )
 
 
 def _is_inside(fqn: str, ancestor: str) -> bool:

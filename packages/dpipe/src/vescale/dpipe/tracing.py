@@ -14,11 +14,13 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from vescale.dpipe import _compat
@@ -44,6 +46,11 @@ class ModelTrace:
     output_lengths: dict[str, int | None]
     # The class of the model's output (e.g. CausalLMOutputWithPast), rebuilt by the pipeline.
     output_type: type
+    # How many times each module ran (HRM's recurrent stacks run their blocks several times).
+    call_counts: dict[str, int] = field(default_factory=dict)
+    # Where the parameters of modules with submodules (Zaya's input scale on its model) are used:
+    # the call index of the module started last at the first and the last use.
+    parameter_uses: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def default_example_batch(
@@ -51,13 +58,17 @@ def default_example_batch(
 ) -> dict[str, torch.Tensor]:
     """A batch of zero token ids, the input of a causal LM, sized to fit the model's positions.
 
+    Only a positive ``max_position_embeddings`` caps the length: XLNet's is -1 (no limit).
+
     Example::
 
         batch = default_example_batch(model)
         assert batch["input_ids"].shape == (1, 16)
     """
-    max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", seq_len)
-    return {"input_ids": torch.zeros(batch_size, min(seq_len, max_positions), dtype=torch.long)}
+    max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(max_positions, int) and max_positions > 0:
+        seq_len = min(seq_len, max_positions)
+    return {"input_ids": torch.zeros(batch_size, seq_len, dtype=torch.long)}
 
 
 def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrace:
@@ -72,10 +83,13 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
     forward_flops: dict[str, int] = {}
     flops_before: dict[str, int] = {}
     output_lengths: dict[str, int | None] = {}
+    call_counts: dict[str, int] = {}
     flop_counter = FlopCounterMode(display=False)
+    parameter_uses = _ParameterUses(model, call_index)
 
     def before(fqn: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            call_counts[fqn] = call_counts.get(fqn, 0) + 1
             if fqn not in call_index:
                 call_index[fqn] = len(call_index)
                 flops_before[fqn] = flop_counter.get_total_flops()
@@ -99,7 +113,7 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
         # FakeValuePolicy: values the model reads (XLM's .item(), MoE routing's nonzero).
         with torch.no_grad(), _compat.fake_tensor_mode(), GroupedMatmulShapes(), FakeValuePolicy():
             fake_batch = {name: _to_fake(value) for name, value in example_batch.items()}
-            with flop_counter:
+            with flop_counter, parameter_uses:
                 output = model(**fake_batch, **_no_cache_kwargs(model))
     except Exception as error:
         raise PipelineCutError(
@@ -111,8 +125,53 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
         for handle in handles:
             handle.remove()
     return ModelTrace(
-        call_index, forward_flops, flops_before, flop_counter.get_total_flops(), output_lengths, type(output)
+        call_index,
+        forward_flops,
+        flops_before,
+        flop_counter.get_total_flops(),
+        output_lengths,
+        type(output),
+        call_counts,
+        parameter_uses.uses,
     )
+
+
+_METADATA_READS = frozenset({"__get__", "size", "dim", "numel", "is_floating_point", "element_size"})
+
+
+class _ParameterUses(TorchFunctionMode):
+    """Records where the forward uses the parameters of modules that also have submodules.
+
+    A position is the call index of the module started last when the parameter is used.
+    """
+
+    def __init__(self, model: nn.Module, call_index: dict[str, int]) -> None:
+        super().__init__()
+        self.call_index = call_index
+        self.watched = {
+            id(parameter): f"{fqn}.{name}" if fqn else name
+            for fqn, module in model.named_modules()
+            if any(True for _ in module.children())
+            for name, parameter in module.named_parameters(recurse=False)
+        }
+        self.uses: dict[str, tuple[int, int]] = {}
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        # Reading metadata (XLNet's ``self.dtype`` walks every parameter) is not a use of the value.
+        if self.watched and getattr(func, "__name__", None) not in _METADATA_READS:
+            for leaf in tree_leaves((args, kwargs)):
+                name = self.watched.get(id(leaf))
+                if name is not None:
+                    position = len(self.call_index) - 1
+                    self.uses[name] = (self.uses.get(name, (position, position))[0], position)
+        return func(*args, **kwargs)
 
 
 def _to_fake(value: Any) -> Any:

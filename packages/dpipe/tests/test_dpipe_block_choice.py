@@ -1,0 +1,143 @@
+"""Which module list is the blocks under PP=2, and the models that have none to split.
+
+A multimodal model holds several lists of same-class layers: Gemma 3 a SigLIP encoder and a
+language model, Phi-4 a 24-layer audio conformer besides its 2 decoder layers. On a text batch
+only the language model's layers run, so only lists whose every member ran in the traced
+forward are blocks (before: the longest or first list was taken, and the split refused to cut
+before a vision layer that "never runs in forward"). A unit that never runs (Fuyu's image
+projection) stays on stage 0 (before: ``KeyError``).
+
+Models with no sound split are refused with a typed error that says why: HRM runs its one
+block per stack in a recurrent loop; Zaya and XLNet hold parameters of their own on the module
+that also holds the blocks.
+
+Quantities compared, against single-device training of the same tiny model (the
+architecture's defaults: tied embeddings, biases) on the whole batch
+(``vescale.dtensor.testing.reference``): each of 2 AdamW steps' loss on every rank, and every
+parameter's first-step gradient (a parameter the forward never uses has none on either side).
+The pipeline accumulates 2 micro-batches where the reference takes the whole batch (float32
+summation order). Bounds: 1e-4 on losses and 1e-5 on gradients, as in
+``test_dpipe_pre_block_modules.py`` (measured floors there: 1e-7 and 3e-7); a block on the
+wrong stage or a skipped language layer errs by O(1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vescale.dpipe import PipelineCutError, PipelinePlan
+from vescale.dpipe.pipeline_module import pipeline_parallelize
+from vescale.dpipe.split import find_blocks, split_model
+from vescale.dpipe.tracing import default_example_batch, trace_model
+from vescale.dtensor.testing import run_on_ranks
+from vescale.dtensor.testing.numerics import full_gradients
+from vescale.dtensor.testing.reference import assert_matches_reference, train_reference
+
+pytest.importorskip("transformers")
+
+LOSS_RTOL = 1e-4
+GRAD_RTOL = 1e-5
+STEPS = 2
+
+
+def _build(arch: str) -> torch.nn.Module:
+    from vescale.dtensor.testing.models.hf_architectures import build_tiny_causal_lm
+
+    return build_tiny_causal_lm(arch, seed=0)
+
+
+def _batches() -> list[dict[str, torch.Tensor]]:
+    """Text only: ids below the image and audio placeholder tokens of the multimodal models."""
+    from vescale.dtensor.testing.models.hf_architectures import INPUT_ID_LIMIT
+
+    generator = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(STEPS):
+        input_ids = torch.randint(0, INPUT_ID_LIMIT, (4, 8), generator=generator)
+        batches.append({"input_ids": input_ids, "labels": input_ids})
+    return batches
+
+
+def _pipeline_run(arch: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Each step's loss and the first step's gradients (read before the optimizer steps)."""
+    model = _build(arch)
+    pipe = pipeline_parallelize(model, None, PipelinePlan(size=2, num_microbatches=2))
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    losses, first_gradients = [], {}
+    for step, batch in enumerate(_batches()):
+        optimizer.zero_grad()
+        loss = pipe(**batch).loss
+        loss.backward()
+        if step == 0:
+            first_gradients = full_gradients(model)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, first_gradients
+
+
+def _split(arch: str) -> tuple[torch.nn.Module, tuple[str, ...]]:
+    model = _build(arch)
+    layout = split_model(model, PipelinePlan(size=2), trace_model(model, default_example_batch(model)))
+    return model, layout.boundaries
+
+
+@pytest.mark.parametrize(
+    ("arch", "cut"),
+    [
+        ("gemma3", "model.language_model.layers.1"),
+        ("moss_transcribe_diarize", "model.language_model.layers.1"),
+        ("phi4_multimodal", "model.layers.1"),
+        ("got_ocr2", "model.language_model.layers.1"),
+        ("fuyu", "model.language_model.layers.1"),
+    ],
+)
+def test_blocks_are_the_layers_that_run_and_match_single_device(arch: str, cut: str):
+    assert _split(arch)[1] == (cut,)
+    reference = train_reference(
+        lambda: _build(arch),
+        _batches(),
+        lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2),
+    )
+    results = run_on_ranks(_pipeline_run, world_size=2, args=(arch,), timeout_s=120)
+    losses, gradients = zip(*results, strict=True)
+    errors = assert_matches_reference(
+        reference, losses, gradients, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL, label=f"{arch} pp2"
+    )
+    print(f"{arch} pp2: worst loss error {errors[0]:.2e}, first-step gradient {errors[1]:.2e}")
+
+
+def test_find_blocks_without_a_trace_keeps_the_longest_list():
+    """Without a trace nothing says which list runs: Phi-4's audio conformer is the longest."""
+    model = _build("phi4_multimodal")
+    assert find_blocks(model)[0] == "model.embed_tokens_extend.audio_embed.encoder.encoders.0"
+    trace = trace_model(model, default_example_batch(model))
+    assert find_blocks(model, trace) == ("model.layers.0", "model.layers.1")
+
+
+def test_default_example_batch_ignores_a_negative_position_limit():
+    """XLNet's ``max_position_embeddings`` is -1 (relative positions, no limit)."""
+    model = _build("xlnet")
+    assert model.config.max_position_embeddings == -1
+    assert default_example_batch(model)["input_ids"].shape == (1, 16)
+
+
+def test_blocks_run_in_a_loop_are_refused():
+    """HRM runs its low- and high-level stacks (one layer each) in nested cycles: no stage order."""
+    with pytest.raises(PipelineCutError, match=r"runs its block 'model\.L_module\.layers\.0' 6 times"):
+        _split("hrm_text")
+
+
+@pytest.mark.parametrize(
+    ("arch", "named"),
+    [
+        (
+            "zaya",
+            r"'model\.input_hidden_states_scale' \(used before the first block 'model\.layers\.0'\)",
+        ),
+        ("xlnet", r"'transformer\.mask_emb' \(not used by this forward\)"),
+    ],
+)
+def test_parameters_of_the_module_around_the_blocks_are_named(arch: str, named: str):
+    with pytest.raises(PipelineCutError, match=named):
+        _split(arch)

@@ -103,13 +103,42 @@ def test_a_model_whose_longest_sequence_is_max_seq_len_is_profiled_within_it():
     assert model.config.max_seq_len == 64
 
 
-def test_a_read_value_without_a_stand_in_is_a_typed_error_before_any_computation():
+def test_a_deferred_jetmoe_splitting_tokens_by_read_counts_is_planned():
     # JetMoE splits its tokens by per-expert counts read with .tolist(): every count reads 0 on
-    # tensors without data, and the split no longer adds up.
-    from vescale.dmodule import ShardingPlanError, deferred_init
+    # tensors without data, and the split into [0, 0, 0, 0] did not add up to the routed tokens;
+    # FakeValuePolicy now splits them evenly over the experts.
+    from vescale.dmodule import deferred_init
     from vescale.dtensor.testing.models.hf_architectures import build_tiny_causal_lm
 
     model = deferred_init(build_tiny_causal_lm, "jetmoe", None)
-    named = r"JetMoeForCausalLM's forward .* module '[^']*experts\.input_linear' .* split_with_sizes"
-    with pytest.raises(ShardingPlanError, match=named):
+    plan = generate_plan(model, {"tensor_parallel.size": 2, "global_batch_size": 4}, world_size=2)
+    assert plan.mesh_size("tp") == 2 and plan.memory_estimate.total > 0
+
+
+class _SplitsUnevenly(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(8, 8)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.inner(torch.nn.functional.one_hot(input_ids, 8).float())
+        return torch.cat(hidden.split([1, 1], dim=-1), dim=-1)  # sizes that do not add up to 8
+
+
+class _Wrapper(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _SplitsUnevenly()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.body(input_ids)
+
+
+def test_a_failing_op_in_the_trace_is_a_typed_error_naming_its_module():
+    # No value was read, so the policy does not re-split: the model's own bug stays an error.
+    from vescale.dmodule import ShardingPlanError
+
+    with torch.device("meta"):
+        model = _Wrapper()
+    with pytest.raises(ShardingPlanError, match=r"module 'body' .* split_with_sizes"):
         generate_plan(model, {"tensor_parallel.size": 2, "global_batch_size": 4}, world_size=2)

@@ -49,6 +49,7 @@ from vescale.planner._assembly import assemble_plan
 from vescale.planner._cost_planning import plan_by_cost
 from vescale.planner._meta_forward import meta_parameters
 from vescale.planner._parallel_sizes import batches, divisors, parallel_sizes, sequence_parallel_for
+from vescale.planner._sequence_length import default_sequence_length, profile_at_default_length
 from vescale.planner.constraints import Constraints
 from vescale.planner.errors import ConstraintError, PlanError
 from vescale.planner.hardware import HardwareProfile, load_hardware
@@ -60,7 +61,6 @@ from vescale.planner.search import Cluster
 __all__ = ["default_memory_per_device_gb", "expert_parallel_sizes", "generate_plan"]
 
 _GIB = 2**30
-_DEFAULT_SEQUENCE_LENGTH = 2048
 _CPU_RANKS_PER_MACHINE = 8
 
 
@@ -75,23 +75,6 @@ def default_memory_per_device_gb(devices_per_node: int) -> float:
         return torch.cuda.get_device_properties(0).total_memory / _GIB
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return ram / devices_per_node / _GIB
-
-
-# The config names under which transformers' models give their longest sequence (MPT: max_seq_len,
-# whose ALiBi table has that many positions).
-_LONGEST_SEQUENCE_NAMES = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length")
-
-
-def _default_sequence_length(model: nn.Module) -> tuple[int, str]:
-    config = getattr(model, "config", None)
-    limits = [getattr(config, name, None) for name in _LONGEST_SEQUENCE_NAMES]
-    longest = min((limit for limit in limits if isinstance(limit, int) and limit > 0), default=None)
-    if longest is not None and longest < _DEFAULT_SEQUENCE_LENGTH:
-        return longest, f"the model's longest sequence ({longest} positions)"
-    return (
-        _DEFAULT_SEQUENCE_LENGTH,
-        f"default {_DEFAULT_SEQUENCE_LENGTH} (set the sequence_length constraint)",
-    )
 
 
 def generate_plan(
@@ -148,15 +131,17 @@ def generate_plan(
         budget = hardware_profile.memory_gb
         reasons["memory_per_device_gb"] = f"the {hardware_profile.name} profile's memory"
     budget = budget or default_memory_per_device_gb(per_node)
-    sequence_length, reasons["sequence_length"] = (
-        (constraints.sequence_length, "constraint")
-        if constraints.sequence_length
-        else _default_sequence_length(model)
-    )
     _check_expert_parallel(model, constraints)
     auto = _tensor_parallel_analysis(model, world_size, constraints)
     # Activations are measured per micro-batch size; most plans need only the first profile.
-    profiles = {1: profile_model(model, sequence_length, 1)}
+    if constraints.sequence_length:
+        sequence_length, reasons["sequence_length"] = constraints.sequence_length, "constraint"
+        profiles = {1: profile_model(model, sequence_length, 1)}
+    else:
+        profile, sequence_length, reasons["sequence_length"] = profile_at_default_length(
+            model, *default_sequence_length(model)
+        )
+        profiles = {1: profile}
     if hardware_profile is None:
         choices, estimate = _rule_based_choice(
             model, constraints, world_size, per_node, budget, sequence_length, auto, profiles

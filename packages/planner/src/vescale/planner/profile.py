@@ -274,18 +274,19 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
         if values.guessed_shapes:
             _LOGGER.warning(
                 "%s's forward chose %d tensor shape(s) from data (nonzero/where, e.g. eager mixture-of-"
-                "experts loops); on meta tensors each found one element, so the activations after them "
-                "are a lower bound",
+                "experts loops, or a split by counted tokens); on meta tensors each found one element or "
+                "an even split, so the activations after them are estimates",
                 type(model).__name__,
                 values.guessed_shapes,
             )
         # The outputs (logits next to the loss) stay alive until backward, saved or not.
         for tensor in _tensors_in(outputs):
             save(tensor)
-    except (RuntimeError, NotImplementedError) as error:
+    except (RuntimeError, NotImplementedError, ValueError) as error:
+        # ValueError: a model's own check of its input (Reformer: the length its position embeddings need).
         raise PlanError(
-            f"{type(model).__name__}'s forward cannot run on meta tensors, so its memory cannot be "
-            f"estimated: {str(error).splitlines()[0]}"
+            f"{type(model).__name__}'s forward cannot run on meta tensors of {sequence_length} tokens, so "
+            f"its memory cannot be estimated: {str(error).splitlines()[0]}"
         ) from error
     finally:
         for handle in handles:

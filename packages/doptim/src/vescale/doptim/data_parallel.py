@@ -3,7 +3,7 @@
 Stages 0-2 attach a :class:`~vescale.doptim.DDP` (bucketed gradient averaging; 2
 reduce-scatters). Stage 3 shards the parameters over the dp mesh dim with PyTorch's FSDP2
 ``fully_shard``, one unit per element of every ``nn.ModuleList`` (the transformer blocks of
-a ``transformers`` model) plus the root; parameters that are already DTensors on a dp×tp
+a ``transformers`` model; blocks that share parameters are one unit) plus the root; parameters that are already DTensors on a dp×tp
 mesh (``vescale.dmodule``) are sharded in place on that mesh (``DataParallelMeshDims``).
 FSDP2 works on CPU/gloo in torch 2.13 (its reduce-scatter included). ``deterministic=True``
 swaps FSDP2's reduce-scatter for :class:`~vescale.doptim.reduction.RankOrderedReduceScatter`
@@ -64,22 +64,51 @@ class FullyShardedState:
         """FSDP2 reduce-scatters during backward and waits at its end: nothing is left to do."""
 
 
-def _fully_shard_units(model: nn.Module) -> list[nn.Module]:
+def _fully_shard_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
     """Every element of every outermost ``nn.ModuleList`` (the blocks), then the root.
 
     A list inside a block (LongCat-Flash's two attentions per layer) is left to its block's
     unit: FSDP2 shards a module's parameters once, so wrapping the block and then a module in
-    it would hand the inner one parameters that are sharded over dp already.
+    it would hand the inner one parameters that are sharded over dp already. Blocks that share
+    parameters (Zamba's hybrid layers each hold the one shared transformer block) are one FSDP
+    group, ``fully_shard([a, b])``: FSDP2 refuses a parameter that two groups manage.
     """
-    units: list[nn.Module] = []
+    blocks: list[nn.Module] = []
     inside_units: set[int] = set()
     for module in model.modules():  # parents before their children
         if isinstance(module, nn.ModuleList) and id(module) not in inside_units:
             for child in module:
                 if id(child) not in inside_units:
-                    units.append(child)
+                    blocks.append(child)
                     inside_units.update(id(inner) for inner in child.modules())
-    return [*units, model]
+    return [*_group_sharing_parameters(blocks), model]
+
+
+def _group_sharing_parameters(blocks: list[nn.Module]) -> list[nn.Module | list[nn.Module]]:
+    """``blocks`` in order, those that share a parameter (directly or through another) as one list."""
+    group_of: list[int] = list(range(len(blocks)))
+
+    def root(index: int) -> int:
+        while group_of[index] != index:
+            index = group_of[index]
+        return index
+
+    owner: dict[int, int] = {}
+    for index, block in enumerate(blocks):
+        for param in block.parameters():
+            first = owner.setdefault(id(param), index)
+            group_of[root(index)] = root(first)
+    members: dict[int, list[nn.Module]] = {}
+    for index, block in enumerate(blocks):
+        members.setdefault(root(index), []).append(block)
+    units: list[nn.Module | list[nn.Module]] = []
+    for index, block in enumerate(blocks):
+        group = members[root(index)]
+        if len(group) == 1:
+            units.append(block)
+        elif group[0] is block:
+            units.append(group)
+    return units
 
 
 def _parameters_mesh_object(model: nn.Module, device_mesh: DeviceMesh) -> DeviceMesh:

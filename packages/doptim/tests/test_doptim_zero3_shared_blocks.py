@@ -16,6 +16,7 @@ Without the grouping, FSDP2 refuses the model before the first step.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -53,10 +54,10 @@ def _local(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torc
     return batch[0][part], batch[1][part]
 
 
-def _zero3(optimizer_fn) -> tuple[nn.Module, DistributedOptimizer]:
+def _zero3(optimizer_fn, deterministic: bool) -> tuple[nn.Module, DistributedOptimizer]:
     torch.manual_seed(0)
     model = _zamba()
-    data_parallel(model, init_mesh(dp=dist.get_world_size()), zero_stage=3)
+    data_parallel(model, init_mesh(dp=dist.get_world_size()), zero_stage=3, deterministic=deterministic)
     return model, DistributedOptimizer(optimizer_fn(model))
 
 
@@ -64,13 +65,13 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _run_zero3() -> dict:
+def _run_zero3(deterministic: bool) -> dict:
     torch.set_num_threads(1)
-    model, optimizer = _zero3(lambda m: torch.optim.SGD(m.parameters(), lr=SGD_LR))
+    model, optimizer = _zero3(lambda m: torch.optim.SGD(m.parameters(), lr=SGD_LR), deterministic)
     before = full_parameters(model)
     train_steps(model, optimizer, [_local(_batches(1)[0])], _loss)
     gradients = sgd_step_gradients(before, full_parameters(model), SGD_LR)
-    model, optimizer = _zero3(_adamw)
+    model, optimizer = _zero3(_adamw, deterministic)
     losses = train_steps(model, optimizer, [_local(batch) for batch in _batches(STEPS)], _loss)
     # each rank's loss is its half's mean over as many tokens: the global loss is their mean
     totals = torch.tensor(losses)
@@ -88,9 +89,10 @@ def test_the_blocks_that_share_a_module_are_one_unit():
     assert units == [layers[0], [layers[1], layers[3]], layers[2], model]
 
 
-def test_zero3_on_blocks_sharing_a_module_trains_like_one_process():
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fsdp2-reduce-scatter", "rank-ordered"])
+def test_zero3_on_blocks_sharing_a_module_trains_like_one_process(deterministic):
     reference = train_reference(_zamba, _batches(STEPS), _adamw, loss_fn=_loss)
-    for run in run_on_ranks(_run_zero3, 2, timeout_s=180):
+    for run in run_on_ranks(_run_zero3, 2, (deterministic,), timeout_s=180):
         assert_matches_reference(reference, [run["losses"]], loss_rtol=RTOL, label="zero3 shared blocks")
         worst = assert_close_by_fqn(
             run["gradients"], reference.first_gradients(run["gradients"]), RTOL, "first-step gradient"

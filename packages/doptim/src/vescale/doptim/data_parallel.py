@@ -3,8 +3,9 @@
 Stages 0-2 attach a :class:`~vescale.doptim.DDP` (bucketed gradient averaging; 2
 reduce-scatters). Stage 3 shards the parameters over the dp mesh dim with PyTorch's FSDP2
 ``fully_shard``, one unit per element of every ``nn.ModuleList`` (the transformer blocks of
-a ``transformers`` model; blocks that share parameters are one unit) plus the root; parameters that are already DTensors on a dp×tp
-mesh (``vescale.dmodule``) are sharded in place on that mesh (``DataParallelMeshDims``).
+a ``transformers`` model; blocks that share parameters are one unit) plus the root;
+parameters that are already DTensors on a dp×tp mesh (``vescale.dmodule``) are sharded in
+place on that mesh (``DataParallelMeshDims``).
 FSDP2 works on CPU/gloo in torch 2.13 (its reduce-scatter included). ``deterministic=True``
 swaps FSDP2's reduce-scatter for :class:`~vescale.doptim.reduction.RankOrderedReduceScatter`
 (each gradient element summed in rank order, as under stages 0-2). ``compute_dtype=torch.bfloat16``
@@ -152,9 +153,11 @@ def _mixed_precision_policy(model: nn.Module, compute_dtype: torch.dtype | None)
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
 
-def _use_rank_ordered_reduce_scatter(unit: FSDPModule) -> None:
+def _use_rank_ordered_reduce_scatter(unit: FSDPModule | list[FSDPModule]) -> None:
+    # A group's modules share one FSDP state: setting the hook on its first sets it for all.
+    first = unit[0] if isinstance(unit, list) else unit
     # FSDP2 duck-types the hook (allocate() and the call); torch annotates its private base class.
-    unit.set_custom_reduce_scatter(RankOrderedReduceScatter())  # type: ignore[arg-type]
+    first.set_custom_reduce_scatter(RankOrderedReduceScatter())  # type: ignore[arg-type]
 
 
 def _batch_sharded_units(model: nn.Module, dims: tuple[str, ...]) -> list[tuple[nn.Module, tuple[str, ...]]]:
@@ -205,14 +208,14 @@ def _apply_zero3_over_dims(
         sharded_unit.set_force_sum_reduction_for_comms(True)
         if deterministic:
             _use_rank_ordered_reduce_scatter(sharded_unit)
-    for unit in _fully_shard_units(model):
-        if any(unit is done for done, _ in special):
+    for block_unit in _fully_shard_units(model):
+        if any(block_unit is done for done, _ in special):
             continue
-        sharded_unit = fully_shard(
-            unit, mesh=spmd_mesh, dp_mesh_dims=mesh_dims_class(shard=dims), mp_policy=mp_policy
+        sharded_block = fully_shard(
+            block_unit, mesh=spmd_mesh, dp_mesh_dims=mesh_dims_class(shard=dims), mp_policy=mp_policy
         )
         if deterministic:
-            _use_rank_ordered_reduce_scatter(sharded_unit)
+            _use_rank_ordered_reduce_scatter(sharded_block)
 
 
 def _apply_zero3(

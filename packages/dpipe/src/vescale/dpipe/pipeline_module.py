@@ -35,7 +35,7 @@ from vescale.dpipe.gradients import data_parallel_sync_deferred, finish_pipeline
 from vescale.dpipe.plan import PipelinePlan
 from vescale.dpipe.schedules import build_schedule, local_stage_indices
 from vescale.dpipe.split import StageLayout, split_model
-from vescale.dpipe.stage_inputs import check_stage_inputs
+from vescale.dpipe.stage_inputs import StageInputs, find_stage_inputs
 from vescale.dpipe.stage_module import PipelineStageModule, StageRouter
 from vescale.dpipe.tracing import ModelTrace, default_example_batch, trace_model
 
@@ -85,6 +85,7 @@ class PipelineModule(ModuleWrapper):
         layout: StageLayout,
         trace: ModelTrace,
         mesh: DeviceMesh | None,
+        inputs: StageInputs | None = None,
     ) -> None:
         super().__init__()
         self.module = model
@@ -102,7 +103,7 @@ class PipelineModule(ModuleWrapper):
         self._tied_names = {
             id(tied.parameter): first_names[id(tied.parameter)] for tied in self._tied_parameters
         }
-        router = StageRouter(model, layout, trace, self.stage_indices, self.device)
+        router = StageRouter(model, layout, trace, self.stage_indices, self.device, inputs)
         model_kwargs = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
         self.activation_meter = ActivationMeter()
         # The MoE load-balancing loss of transformers needs every layer's router statistics.
@@ -270,10 +271,10 @@ def pipeline_parallelize(
     batch = example_batch if example_batch is not None else default_example_batch(model)
     trace = trace_model(model, batch)
     layout = split_model(model, plan, trace)
-    # A module before the blocks (an embedding's LayerNorm) may stay on stage 0 if only the hidden
-    # state needs its output; this follows the data to make sure.
-    check_stage_inputs(model, layout, batch)
-    return PipelineModule(model, plan, layout, trace, mesh)
+    # What a later stage needs from an earlier one besides the hidden state (a position bias, the
+    # per-layer inputs computed before the blocks) travels with it; this follows the data to find it.
+    inputs = find_stage_inputs(model, layout, batch)
+    return PipelineModule(model, plan, layout, trace, mesh, inputs)
 
 
 def _pp_mesh_dim(mesh: DeviceMesh) -> int | None:

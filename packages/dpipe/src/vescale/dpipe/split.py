@@ -48,8 +48,8 @@ def find_blocks(model: nn.Module, trace: ModelTrace | None = None) -> tuple[str,
     """The FQNs of the model's repeated blocks: the longest ``ModuleList`` of same-class modules.
 
     A hybrid model whose layers are of several classes (Jamba's Mamba and attention layers, in
-    one list) has no such list of two or more: its longest ``ModuleList`` is taken instead. The
-    split checks either way that each later stage needs only the hidden state
+    one list) has no such list of two or more: its longest ``ModuleList`` is taken instead. What a
+    later stage needs besides the hidden state is found either way and sent along
     (:mod:`vescale.dpipe.stage_inputs`). Given the ``trace`` of a forward, only lists whose
     every member ran count: a multimodal model's vision or audio encoder (Phi-4's 24 conformer
     layers) does not run on a text batch, its language model's layers do.

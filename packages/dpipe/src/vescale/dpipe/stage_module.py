@@ -8,6 +8,10 @@ first module another pre-hook stops the forward by raising :class:`_StageExit` w
 module's input, which is what the stage sends on. Masks, position ids and rotary tables are
 recomputed by each stage from the batch, exactly as the model computes them.
 
+A unit's output that a later stage needs besides the hidden state (CPM-Ant's position bias,
+Gemma 3n's per-layer inputs: :mod:`vescale.dpipe.stage_inputs` finds them) travels after the
+hidden state, and on the later stage the skipped unit returns it instead of a stand-in.
+
 Values that a model computes from *all* its layers at the end of the forward (the MoE
 load-balancing loss of ``transformers``) are carried: a :class:`StageCarry` starts each stage
 from what the previous stage sent (the first stage from nothing), accumulates while the
@@ -16,7 +20,8 @@ the stage's output, its gradient comes back with the hidden state's.
 
 Example::
 
-    router = StageRouter(model, layout, trace, local_stages=[1])
+    inputs = find_stage_inputs(model, layout, batch)
+    router = StageRouter(model, layout, trace, local_stages=[1], inputs=inputs)
     stage_module = PipelineStageModule(model, router, stage_index=1, model_kwargs={"use_cache": False})
     hidden_out = stage_module(hidden_in, input_ids=input_ids)
 """
@@ -29,11 +34,13 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from vescale.dpipe.activation_meter import ActivationMeter
 from vescale.dpipe.dtensor_boundary import from_wire, mesh_of, to_wire
 from vescale.dpipe.errors import PipelineCutError
 from vescale.dpipe.split import StageLayout
+from vescale.dpipe.stage_inputs import CarriedOutput, StageInputs
 from vescale.dpipe.tracing import ModelTrace
 
 __all__ = ["PipelineStageModule", "StageCarry", "StageRouter"]
@@ -90,12 +97,19 @@ class StageRouter:
         trace: ModelTrace,
         local_stages: list[int],
         device: torch.device | None = None,
+        inputs: StageInputs | None = None,
     ) -> None:
         self.layout = layout
+        self.inputs = inputs if inputs is not None else StageInputs(())
         self.active_stage: int | None = None
         self.received: torch.Tensor | None = None
+        # While a stage runs: the carried outputs it received (returned by their skipped units),
+        # and those of its own units that a later stage needs (recorded as they run).
+        self.received_outputs: dict[str, Any] = {}
+        self.recorded_outputs: dict[str, Any] = {}
         for unit_fqn, stage_index in layout.unit_stage.items():
-            self._gate(model.get_submodule(unit_fqn), stage_index, trace.output_lengths.get(unit_fqn))
+            unit = model.get_submodule(unit_fqn)
+            self._gate(unit_fqn, unit, stage_index, trace.output_lengths.get(unit_fqn))
         for boundary_index, boundary_fqn in enumerate(layout.boundaries):
             # Boundary k is where stage k ends and stage k + 1 starts.
             model.get_submodule(boundary_fqn).register_forward_pre_hook(
@@ -115,7 +129,7 @@ class StageRouter:
                         stand_in = torch.zeros((), dtype=parameter.dtype, device=device or "cpu")
                         setattr(module, name, stand_in.expand(parameter.shape))
 
-    def _gate(self, unit: nn.Module, unit_stage: int, output_length: int | None) -> None:
+    def _gate(self, unit_fqn: str, unit: nn.Module, unit_stage: int, output_length: int | None) -> None:
         original_forward = unit.forward
         router = self
         if isinstance(unit, nn.Embedding):
@@ -127,6 +141,13 @@ class StageRouter:
                 # An embedding subclass with its own arguments (BlenderBot's learned positions take
                 # the input's shape): its own forward gives the shape; the value is never used.
                 return original_forward(*args, **kwargs)
+        elif isinstance(unit, nn.Linear):
+            out_features, dtype = unit.out_features, unit.weight.dtype
+
+            # RoCBert's input projection widens the concatenated embeddings: keep its output shape.
+            def skipped(*args: Any, **kwargs: Any) -> Any:
+                source = args[0] if args else next(iter(kwargs.values()))
+                return torch.zeros(*source.shape[:-1], out_features, dtype=dtype, device=source.device)
         else:
 
             def skipped(*args: Any, **kwargs: Any) -> Any:
@@ -136,10 +157,17 @@ class StageRouter:
                 # The hidden state first, as the unit returns it; the rest (attention weights) unused.
                 return (hidden_state, *(None,) * (output_length - 1))
 
+        carried = unit_fqn in self.inputs.carried_units
+
         def gated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if router.active_stage is not None and unit_stage < router.active_stage:
+                if carried:
+                    return router.received_outputs[unit_fqn]
                 return skipped(*args, **kwargs)
-            return original_forward(*args, **kwargs)
+            output = original_forward(*args, **kwargs)
+            if carried and router.active_stage == unit_stage:
+                router.recorded_outputs[unit_fqn] = output
+            return output
 
         # An instance attribute shadows the class's forward; the model class stays untouched.
         unit.forward = types.MethodType(gated_forward, unit)
@@ -199,11 +227,16 @@ class PipelineStageModule(nn.Module):
     def forward(self, *received: torch.Tensor, **batch: Any) -> Any:
         model, router, model_kwargs = self._stage_context
         # A tensor-parallel stage receives plain tensors and runs on DTensors (see dtensor_boundary).
-        hidden_state = from_wire(received[0], mesh_of(self)) if received else None
-        carried = received[1:]
+        mesh = mesh_of(self)
+        hidden_state = from_wire(_with_contiguous_gradient(received[0]), mesh) if received else None
+        incoming = router.inputs.received_by(self.stage_index)
+        count = sum(len(output.tensor_leaves) for output in incoming)
+        received_outputs = _rebuild(incoming, received[1 : 1 + count], mesh)
+        carried = received[1 + count :]
         for index, carry in enumerate(self.carries):
             carry.start(carried[index] if index < len(carried) else None, batch)
         router.active_stage, router.received = self.stage_index, hidden_state
+        router.received_outputs, router.recorded_outputs = received_outputs, {}
         saved_storages: dict[int, int] = {}
         exit_state: torch.Tensor | None = None
         try:
@@ -212,12 +245,16 @@ class PipelineStageModule(nn.Module):
         except _StageExit as stage_exit:
             exit_state = stage_exit.hidden_state
         finally:
+            outputs = {**router.received_outputs, **router.recorded_outputs}
             router.active_stage, router.received = None, None
+            router.received_outputs, router.recorded_outputs = {}, {}
             self.saved_activation_bytes = sum(saved_storages.values())
             # A clone: a stage without routers would otherwise send back its own input tensor.
             sent = tuple(carry.finish().clone() for carry in self.carries)
         if exit_state is not None:
-            return (to_wire(exit_state), *sent) if sent else to_wire(exit_state)
+            onward = router.inputs.received_by(self.stage_index + 1)
+            # Contiguous: gloo sends and receives only contiguous buffers, laid out as what is sent.
+            return (to_wire(exit_state).contiguous(), *_to_wire_outputs(onward, outputs), *sent)
         if not self.is_last:
             raise PipelineCutError(
                 f"stage {self.stage_index} ran to the end of the model's forward without reaching "
@@ -228,3 +265,51 @@ class PipelineStageModule(nn.Module):
         logits = to_wire(getattr(output, "logits", output))
         self.logits.append(logits.detach())
         return (loss, logits) if loss is not None else logits
+
+
+def _rebuild(incoming: Sequence[CarriedOutput], wires: Sequence[torch.Tensor], mesh: Any) -> dict[str, Any]:
+    """The received unit outputs, rebuilt to what each unit returns (DTensors wrapped again)."""
+    rebuilt: dict[str, Any] = {}
+    offset = 0
+    for carried in incoming:
+        tensors = []
+        for index, position in enumerate(carried.tensor_leaves):
+            # A copy: model code may change the value in place (XLM masks its hidden state).
+            wire = _with_contiguous_gradient(wires[offset + index]).clone()
+            tensors.append(from_wire(wire, mesh) if position in carried.dtensor_leaves else wire)
+        offset += len(tensors)
+        rebuilt[carried.unit] = carried.rebuild(tensors)
+    return rebuilt
+
+
+def _with_contiguous_gradient(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (a received activation), its gradient made contiguous.
+
+    PyTorch's pipeline stage lays out the buffer that receives a gradient like the gradient the
+    other stage computed, and gloo receives only into contiguous buffers (Zamba's carried
+    embeddings get a transposed gradient). The hook is registered once per receive buffer.
+    """
+    if tensor.requires_grad and not getattr(tensor, "_dpipe_contiguous_gradient", False):
+        tensor.register_hook(lambda gradient: gradient.contiguous())  # type: ignore[no-untyped-call]
+        tensor._dpipe_contiguous_gradient = True  # type: ignore[attr-defined]
+    return tensor
+
+
+def _to_wire_outputs(onward: Sequence[CarriedOutput], outputs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The tensor leaves of the unit outputs the next stage needs, as plain contiguous tensors (cloned:
+    one of them may be the hidden state itself, or an input of this stage passed on)."""
+    wires: list[torch.Tensor] = []
+    for carried in onward:
+        if carried.unit not in outputs:
+            raise PipelineCutError(
+                f"unit {carried.unit!r} did not run before the stage boundary, so its output cannot "
+                "travel to the next stage; cut after it"
+            )
+        leaves = tree_leaves(outputs[carried.unit])
+        for position in carried.tensor_leaves:
+            leaf = to_wire(leaves[position])
+            # Contiguous: the gradient buffer that comes back is laid out like what was sent.
+            if leaf is leaves[position]:
+                leaf = leaf.clone(memory_format=torch.contiguous_format)
+            wires.append(leaf.contiguous())
+    return wires

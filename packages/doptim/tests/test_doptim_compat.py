@@ -23,3 +23,24 @@ def test_end_of_backward_callback_runs_once_after_the_last_gradient():
     weight.register_post_accumulate_grad_hook(on_gradient)
     (weight * 3).sum().backward()
     assert events == ["grad", "end"]
+
+
+def test_fsdp_post_backward_passes_a_missing_gradient_on_as_missing():
+    # Installed twice: the second call keeps the first replacement.
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    _compat.unmaterialized_fsdp_post_backward()
+    installed = _fsdp_param_group.RegisterPostBackwardFunction
+    _compat.unmaterialized_fsdp_post_backward()
+    assert _fsdp_param_group.RegisterPostBackwardFunction is installed
+
+    class _Group:
+        def post_backward(self) -> None:
+            calls.append("post_backward")
+
+    calls: list[str] = []
+    used, unused = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    used_out, _ = installed.apply(_Group(), used * 1, unused * 1)
+    (used_out * 3).sum().backward()
+    assert calls == ["post_backward"] and unused.grad is None  # not zeros: no gradient reached it
+    assert torch.equal(used.grad, torch.full((2,), 3.0))

@@ -1,7 +1,10 @@
 """The private PyTorch APIs that ``vescale.doptim`` relies on, confined to this module.
 
 Gradient buckets must be waited for when the backward pass ends, and PyTorch offers no
-public end-of-backward hook; autograd's engine has ``queue_callback``. Each accessor names
+public end-of-backward hook; autograd's engine has ``queue_callback``. FSDP2 passes each
+unit's inputs through ``RegisterPostBackwardFunction``, whose unused outputs' gradients
+autograd materialises as plain zeros, which a DTensor input cannot add up with
+(:func:`unmaterialized_fsdp_post_backward`). Each accessor names
 the private attribute it reads, and ``tests/test_doptim_compat.py`` fails loudly when a
 PyTorch release renames or removes one.
 
@@ -13,12 +16,19 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["MIN_TORCH", "TESTED_TORCH", "PrivateTorchAPIError", "queue_end_of_backward_callback"]
+__all__ = [
+    "MIN_TORCH",
+    "TESTED_TORCH",
+    "PrivateTorchAPIError",
+    "queue_end_of_backward_callback",
+    "unmaterialized_fsdp_post_backward",
+]
 
 MIN_TORCH = (2, 11)
 # The newest release these private attributes were checked against.
@@ -48,3 +58,43 @@ def _autograd_engine() -> _AutogradEngine:
 def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback()`` once the backward pass now executing finishes (call it during backward)."""
     _autograd_engine().queue_callback(callback)
+
+
+_FSDP_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+
+
+def unmaterialized_fsdp_post_backward() -> None:
+    """Make FSDP2's ``RegisterPostBackwardFunction`` pass a missing gradient on as missing (idempotent).
+
+    FSDP2 runs every input of a unit that requires grad through one autograd function (to reduce
+    the unit's gradients after its backward). An input the unit does not use (Zamba2's first
+    layer is handed the embeddings its hybrid layers concatenate) gets no gradient there, and
+    autograd materialises one as plain zeros of the global shape; added to the DTensor gradient
+    from the input's other uses, it fails: "aten.add.Tensor got mixed torch.Tensor and DTensor".
+    Without materialisation the input simply receives no gradient from the unit, as without FSDP.
+
+    Example::
+
+        unmaterialized_fsdp_post_backward()   # before fully_shard on a tensor-parallel model
+    """
+    module = importlib.import_module(_FSDP_PARAM_GROUP)
+    original: Any = getattr(module, "RegisterPostBackwardFunction", None)
+    if not (isinstance(original, type) and issubclass(original, torch.autograd.Function)):
+        raise PrivateTorchAPIError(
+            f"{_FSDP_PARAM_GROUP}.RegisterPostBackwardFunction is missing or not an autograd Function "
+            f"in torch {torch.__version__}; vescale.doptim was checked against torch "
+            f"{MIN_TORCH[0]}.{MIN_TORCH[1]} to {TESTED_TORCH[0]}.{TESTED_TORCH[1]}. Install a torch in "
+            "that range, or update vescale/doptim/_compat.py for this release."
+        )
+    if getattr(original, "vescale_unmaterialized", False):
+        return
+
+    class _UnmaterializedPostBackward(original):  # type: ignore[misc]  # a class found at run time
+        vescale_unmaterialized = True
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            original.setup_context(ctx, inputs, output)
+            ctx.set_materialize_grads(False)
+
+    setattr(module, "RegisterPostBackwardFunction", _UnmaterializedPostBackward)  # noqa: B010

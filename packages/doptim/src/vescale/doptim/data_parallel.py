@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
+from vescale.doptim import _compat
 from vescale.doptim.ddp import DATA_PARALLEL_ATTRIBUTE, DDP, data_parallel_of, dp_mesh_dims
 from vescale.doptim.errors import DataParallelConfigError, DataParallelMeshError
 from vescale.doptim.mesh_groups import mesh_dim_names, mesh_dims_group
@@ -227,6 +228,7 @@ def _apply_zero3(
 ) -> FullyShardedState:
     on_mesh = any(isinstance(param, DTensor) for param in model.parameters())
     dims = dp_mesh_dims(device_mesh, mesh_dim)
+    _compat.unmaterialized_fsdp_post_backward()
     if len(dims) > 1:
         if not on_mesh or getattr(torch.distributed.fsdp, "DataParallelMeshDims", None) is None:
             raise DataParallelConfigError(

@@ -274,8 +274,8 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
         if values.guessed_shapes:
             _LOGGER.warning(
                 "%s's forward chose %d tensor shape(s) from data (nonzero/where, e.g. eager mixture-of-"
-                "experts loops, or a split by counted tokens); on meta tensors each found one element or "
-                "an even split, so the activations after them are estimates",
+                "experts loops, or a split by counted tokens); on meta tensors each found one element (a "
+                "lower bound of the activations after it) or split evenly (an estimate)",
                 type(model).__name__,
                 values.guessed_shapes,
             )

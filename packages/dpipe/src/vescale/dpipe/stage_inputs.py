@@ -142,7 +142,16 @@ _INSIDE = "inside:"
 
 
 def _tensor_leaves(value: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+    """The tensors in ``value``; a DTensor's local tensor too, since the dispatch mode sees only the
+    operators on local tensors (a tensor-parallel stage's values would otherwise carry no marks)."""
+    leaves: list[torch.Tensor] = []
+    for leaf in tree_leaves(value):
+        if isinstance(leaf, DTensor):
+            # Under no_grad (the pass runs under it), to_local() is the DTensor's own local tensor.
+            leaves.append(leaf.to_local())
+        if isinstance(leaf, torch.Tensor):
+            leaves.append(leaf)
+    return leaves
 
 
 def find_stage_inputs(model: nn.Module, layout: StageLayout, example_batch: Mapping[str, Any]) -> StageInputs:

@@ -34,7 +34,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from vescale.dpipe.activation_meter import ActivationMeter
 from vescale.dpipe.dtensor_boundary import from_wire, mesh_of, to_wire
@@ -166,6 +167,9 @@ class StageRouter:
                 return skipped(*args, **kwargs)
             output = original_forward(*args, **kwargs)
             if carried and router.active_stage == unit_stage:
+                # Reduced now, for the model and the next stage alike: a vocab-parallel embedding's
+                # output is a masked partial sum whose mask its first reduction releases.
+                output = tree_map_only(DTensor, _reduced, output)
                 router.recorded_outputs[unit_fqn] = output
             return output
 
@@ -280,6 +284,14 @@ def _rebuild(incoming: Sequence[CarriedOutput], wires: Sequence[torch.Tensor], m
         offset += len(tensors)
         rebuilt[carried.unit] = carried.rebuild(tensors)
     return rebuilt
+
+
+def _reduced(tensor: DTensor) -> DTensor:
+    """``tensor`` with its partial placements made Replicate (unchanged if it has none)."""
+    placements = [Replicate() if placement.is_partial() else placement for placement in tensor.placements]
+    if placements == list(tensor.placements):
+        return tensor
+    return tensor.redistribute(tensor.device_mesh, placements)
 
 
 def _with_contiguous_gradient(tensor: torch.Tensor) -> torch.Tensor:

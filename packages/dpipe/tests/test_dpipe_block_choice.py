@@ -141,3 +141,16 @@ def test_blocks_run_in_a_loop_are_refused():
 def test_parameters_of_the_module_around_the_blocks_are_named(arch: str, named: str):
     with pytest.raises(PipelineCutError, match=named):
         _split(arch)
+
+
+def test_a_cut_inside_a_custom_autograd_function_is_refused():
+    """Reformer runs all its layers inside one autograd Function (reversible layers), whose backward
+    recomputes them from its own saved outputs: a hidden state swapped in at layer 1 never reaches
+    that backward. Before, pp2 trained silently wrong (SGD, second step's loss 3.5e-3 off one
+    process); the split now refuses it, at the 8 tokens Reformer trains at."""
+    model = _build("reformer")
+    batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long)}
+    trace = trace_model(model, batch)
+    with pytest.raises(PipelineCutError, match=r"inside the forward of the custom autograd function _Rev"):
+        split_model(model, PipelinePlan(size=2), trace)
+    assert not trace_model(_build("llama"), default_example_batch(_build("llama"))).inside_autograd_function

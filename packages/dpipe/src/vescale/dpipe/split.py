@@ -209,6 +209,14 @@ def _check_boundaries(
                 f"cannot cut before {cut!r}: it never runs in forward (a container is not called); "
                 f"cut before one of its children, e.g. {children[:2]}"
             )
+        function = trace.inside_autograd_function.get(cut)
+        if function is not None:
+            raise PipelineCutError(
+                f"cannot cut before {cut!r}: it runs inside the forward of the custom autograd function "
+                f"{function}, whose backward recomputes and differentiates what it ran as one piece (e.g. "
+                "reversible layers), so the received hidden state would never reach it; keep the "
+                "pipeline to one stage for this model"
+            )
         enclosing = [unit for unit in units if _is_inside(cut, unit)]
         if enclosing:
             raise PipelineCutError(

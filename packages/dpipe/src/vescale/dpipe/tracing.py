@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,9 @@ class ModelTrace:
     # Where the parameters of modules with submodules (Zaya's input scale on its model) are used:
     # the call index of the module started last at the first and the last use.
     parameter_uses: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Modules whose first call ran inside a custom autograd Function's forward, and that Function
+    # (Reformer's reversible layers: one Function runs every block and recomputes them in backward).
+    inside_autograd_function: dict[str, str] = field(default_factory=dict)
 
 
 def default_example_batch(
@@ -80,6 +84,7 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
         assert "lm_head" in trace.call_index
     """
     call_index: dict[str, int] = {}
+    inside_autograd_function: dict[str, str] = {}
     forward_flops: dict[str, int] = {}
     flops_before: dict[str, int] = {}
     output_lengths: dict[str, int | None] = {}
@@ -93,6 +98,9 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
             if fqn not in call_index:
                 call_index[fqn] = len(call_index)
                 flops_before[fqn] = flop_counter.get_total_flops()
+                function = _enclosing_autograd_function()
+                if function is not None:
+                    inside_autograd_function[fqn] = function
 
         return hook
 
@@ -133,7 +141,23 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
         type(output),
         call_counts,
         parameter_uses.uses,
+        inside_autograd_function,
     )
+
+
+def _enclosing_autograd_function() -> str | None:
+    """The name of the custom ``torch.autograd.Function`` whose ``forward`` is running, if any.
+
+    Its ``forward`` is a static method given the Function's context as ``ctx``; the stack shows it.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "forward":
+            context = frame.f_locals.get("ctx")
+            if isinstance(context, torch.autograd.function.FunctionCtx):
+                return type(context).__name__.removesuffix("Backward")
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 _METADATA_READS = frozenset({"__get__", "size", "dim", "numel", "is_floating_point", "element_size"})

@@ -172,8 +172,11 @@ def _apply_tensor_parallel(
 def _apply_pipeline(plan: Plan, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     if plan.pipeline is None:  # called for plans with a pipeline section only
         raise ParallelizeError("the plan has no pipeline section to apply; give it one, or mesh.pp=1")
+    # The split's fake-tensor pass at the plan's sequence length: one the model accepts (Reformer
+    # trains only at the product of its axial position shape, which the planner chose).
+    example_batch = {"input_ids": torch.zeros(1, plan.sequence_length, dtype=torch.long)}
     try:
-        return pipeline_parallelize(model, mesh, plan.pipeline)
+        return pipeline_parallelize(model, mesh, plan.pipeline, example_batch)
     except PipelineError as error:
         raise PlanMismatchError(
             f"plan.pipeline does not fit {type(model).__name__}: {error}. Regenerate the plan with "

@@ -19,6 +19,7 @@ from torch import nn
 from vescale.doptim import DistributedOptimizer, data_parallel
 from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
+from vescale.dtensor.testing.models.mlp import mlp_batches, mse_loss
 from vescale.dtensor.testing.numerics import assert_close_by_fqn, full_parameters, sgd_step_gradients
 from vescale.dtensor.testing.reference import assert_matches_reference, train_reference, train_steps
 
@@ -51,19 +52,7 @@ class _Net(nn.Module):
 
 
 def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1)
-    return [
-        (
-            torch.randn(GLOBAL_BATCH, WIDTH, generator=generator),
-            torch.randn(GLOBAL_BATCH, 1, generator=generator),
-        )
-        for _ in range(steps)
-    ]
-
-
-def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    inputs, targets = batch
-    return nn.functional.mse_loss(model(inputs), targets)
+    return mlp_batches(steps, GLOBAL_BATCH, inputs=WIDTH, outputs=1)
 
 
 def _local(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,10 +75,10 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
 def _run_zero3() -> dict:
     model, optimizer = _zero3(lambda m: torch.optim.SGD(m.parameters(), lr=SGD_LR))
     before = full_parameters(model)
-    train_steps(model, optimizer, [_local(_batches(1)[0])], _loss)
+    train_steps(model, optimizer, [_local(_batches(1)[0])], mse_loss)
     gradients = sgd_step_gradients(before, full_parameters(model), SGD_LR)
     model, optimizer = _zero3(_adamw)
-    losses = train_steps(model, optimizer, [_local(batch) for batch in _batches(STEPS)], _loss)
+    losses = train_steps(model, optimizer, [_local(batch) for batch in _batches(STEPS)], mse_loss)
     # each rank's loss is its half's mean: the global batch's loss is their mean
     totals = torch.tensor(losses)
     dist.all_reduce(totals)
@@ -97,7 +86,7 @@ def _run_zero3() -> dict:
 
 
 def test_zero3_wraps_blocks_whose_modules_hold_lists_and_trains_like_one_process():
-    reference = train_reference(_Net, _batches(STEPS), _adamw, loss_fn=_loss)
+    reference = train_reference(_Net, _batches(STEPS), _adamw, loss_fn=mse_loss)
     for run in run_on_ranks(_run_zero3, 2, timeout_s=120):
         assert_matches_reference(reference, [run["losses"]], loss_rtol=RTOL, label="zero3 nested lists")
         worst = assert_close_by_fqn(run["gradients"], reference.gradients[0], RTOL, "first-step gradient")

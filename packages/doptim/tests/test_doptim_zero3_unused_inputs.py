@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from vescale.doptim import DistributedOptimizer, data_parallel
 from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
+from vescale.dtensor.testing.models.mlp import mlp_batches, mse_loss
 from vescale.dtensor.testing.numerics import assert_close_by_fqn, full_parameters, sgd_step_gradients
 from vescale.dtensor.testing.reference import assert_matches_reference, train_reference, train_steps
 
@@ -66,19 +67,7 @@ class _Net(nn.Module):
 
 
 def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1)
-    return [
-        (
-            torch.randn(GLOBAL_BATCH, WIDTH, generator=generator),
-            torch.randn(GLOBAL_BATCH, 1, generator=generator),
-        )
-        for _ in range(steps)
-    ]
-
-
-def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    inputs, targets = batch
-    return nn.functional.mse_loss(model(inputs), targets)
+    return mlp_batches(steps, GLOBAL_BATCH, inputs=WIDTH, outputs=1)
 
 
 def _local_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -123,7 +112,7 @@ def _run_zero3() -> dict:
 
 
 def test_zero3_on_a_block_ignoring_a_dtensor_input_trains_like_one_process():
-    reference = train_reference(_Net, _batches(STEPS), _adamw, loss_fn=_loss)
+    reference = train_reference(_Net, _batches(STEPS), _adamw, loss_fn=mse_loss)
     for run in run_on_ranks(_run_zero3, 2, timeout_s=120):
         assert_matches_reference(reference, [run["losses"]], loss_rtol=RTOL, label="zero3 unused input")
         worst = assert_close_by_fqn(

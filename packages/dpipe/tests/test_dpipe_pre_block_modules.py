@@ -23,108 +23,27 @@ the floor) on gradients; a stale LayerNorm on stage 1 errs by O(1).
 from __future__ import annotations
 
 import pytest
-import torch
 
-from vescale.doptim import DistributedOptimizer, data_parallel
 from vescale.dpipe import PipelineCutError, PipelinePlan
-from vescale.dpipe.pipeline_module import pipeline_parallelize
+from vescale.dpipe.architecture_check import (
+    architecture_batches,
+    assert_pipeline_matches_single_device,
+    build_architecture,
+)
 from vescale.dpipe.split import split_model
 from vescale.dpipe.stage_inputs import find_stage_inputs
 from vescale.dpipe.tracing import default_example_batch, trace_model
-from vescale.dtensor import init_mesh
-from vescale.dtensor.testing import run_on_ranks
-from vescale.dtensor.testing.numerics import full_gradients
-from vescale.dtensor.testing.reference import assert_matches_reference, train_reference
 
 pytest.importorskip("transformers")
 
-LOSS_RTOL = 1e-4
-GRAD_RTOL = 1e-5
 STEPS = 4
-
-
-def _build(arch: str) -> torch.nn.Module:
-    from vescale.dtensor.testing.models.hf_architectures import build_tiny_causal_lm
-
-    return build_tiny_causal_lm(arch, seed=0)
-
-
-def _batches(vocab_size: int) -> list[dict[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(3)
-    batches = []
-    for _ in range(STEPS):
-        input_ids = torch.randint(0, vocab_size, (4, 8), generator=generator)
-        batches.append({"input_ids": input_ids, "labels": input_ids})
-    return batches
-
-
-def _pipeline_run(
-    arch: str, zero_stage: int | None = None, tensor_parallel: bool = False
-) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Each step's loss and the first step's gradients (read before the optimizer steps).
-
-    ``zero_stage``: the pipeline is also ``data_parallel`` over a dp dim of 1 with a
-    ``DistributedOptimizer``, as ``vescale.parallelize`` builds it. ``tensor_parallel``: dmodule's
-    automatic plan over ``tp=2`` first, then the pipeline over ``pp=2`` (4 ranks), with SGD.
-    """
-    model = _build(arch)
-    batches = _batches(model.config.vocab_size)
-    plan = PipelinePlan(size=2, num_microbatches=2)
-    if tensor_parallel:
-        import vescale.dmodule
-
-        mesh = init_mesh(pp=2, tp=2)
-        vescale.dmodule.parallelize_module(
-            model, mesh, vescale.dmodule.auto_sharding_plan(model), mesh_dim="tp"
-        )
-        pipe = pipeline_parallelize(model, mesh, plan)
-        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
-    elif zero_stage is None:
-        pipe = pipeline_parallelize(model, None, plan)
-        optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-    else:
-        mesh = init_mesh(pp=2, dp=1)
-        pipe = data_parallel(
-            pipeline_parallelize(model, mesh, plan), mesh, zero_stage=zero_stage, mesh_dim="dp"
-        )
-        optimizer = DistributedOptimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-2))
-    losses, first_gradients = [], {}
-    for step, batch in enumerate(batches):
-        optimizer.zero_grad()
-        loss = pipe(**batch).loss
-        loss.backward()
-        if step == 0:
-            if zero_stage is not None:
-                optimizer.prepare_grads()
-            first_gradients = full_gradients(model)
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, first_gradients
 
 
 def _assert_pipeline_matches_single_device(
     arch: str, zero_stage: int | None = None, tensor_parallel: bool = False
 ) -> None:
-    """``arch`` under pp2 (with ZeRO-``zero_stage`` over dp1, or tp2, when given) against one device."""
-    reference = train_reference(
-        lambda: _build(arch),
-        _batches(_build(arch).config.vocab_size),
-        (lambda model: torch.optim.SGD(model.parameters(), lr=0.5))
-        if tensor_parallel
-        else (lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2)),
-    )
-    results = run_on_ranks(
-        _pipeline_run,
-        world_size=4 if tensor_parallel else 2,
-        args=(arch, zero_stage, tensor_parallel),
-        timeout_s=180,
-    )
-    losses, gradients = zip(*results, strict=True)
-    label = f"{arch} pp2" + (" tp2" if tensor_parallel else "" if zero_stage is None else " dp1")
-    errors = assert_matches_reference(
-        reference, losses, gradients, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL, label=label
-    )
-    print(f"{label}: worst loss error {errors[0]:.2e}, first-step gradient {errors[1]:.2e}")
+    batches = architecture_batches(STEPS, build_architecture(arch).config.vocab_size)
+    assert_pipeline_matches_single_device(arch, batches, zero_stage, tensor_parallel)
 
 
 @pytest.mark.parametrize("arch", ["bloom", "bert"])
@@ -157,7 +76,7 @@ def test_values_a_later_stage_needs_travel_with_the_hidden_state(arch: str):
     pass the sweep; their float32 losses drift from single-device training by more than this
     test's bound through rounding alone. Measured: loss 4.5e-7 (CPM-Ant), 9.8e-8 (Zamba), 9.7e-8
     (RoFormer); first-step gradient 3.3e-7 (CPM-Ant), 2.6e-7 (Zamba, RoFormer)."""
-    model = _build(arch)
+    model = build_architecture(arch)
     batch = default_example_batch(model)
     layout = split_model(model, PipelinePlan(size=2), trace_model(model, batch))
     assert find_stage_inputs(model, layout, batch).received_by(1), "nothing to carry: the test tests nothing"
@@ -185,7 +104,7 @@ def test_carried_values_of_a_tensor_parallel_stage_match_single_device(arch: str
     ],
 )
 def test_values_that_cannot_travel_are_refused_before_any_computation(arch: str, message: str):
-    model = _build(arch)
+    model = build_architecture(arch)
     batch = default_example_batch(model)
     layout = split_model(model, PipelinePlan(size=2), trace_model(model, batch))
     with pytest.raises(PipelineCutError, match=message):

@@ -242,34 +242,35 @@ def _needed_by_stage(
         for handle in handles:
             handle.remove()
     needed = set(sent[0]) if sent else set()
-    hidden = sorted(mark[len(_INSIDE) :] for mark in needed if mark.startswith(_INSIDE))
-    if hidden:
-        modules = ", ".join(f"{unit!r} ({type(model.get_submodule(unit)).__name__})" for unit in hidden)
-        raise PipelineCutError(
-            f"cannot split {type(model).__name__} before {entry_fqn!r}: stage {stage_index} uses a value "
-            f"that {modules} computes on an earlier stage but does not return (e.g. keys and values "
-            "shared between layers through a cache or a dict), so it cannot travel with the hidden "
-            "state; keep the pipeline to one stage for this model or cut before that module"
-        )
-    integer = sorted(unit for unit in needed if outputs[unit].integer_leaves)
-    if integer:
-        modules = ", ".join(f"{unit!r} ({type(model.get_submodule(unit)).__name__})" for unit in integer)
-        raise PipelineCutError(
-            f"cannot split {type(model).__name__} before {entry_fqn!r}: stage {stage_index} uses an "
-            f"integer tensor that {modules} returns on an earlier stage (e.g. top-k indices shared "
+    units = {mark for mark in needed if not mark.startswith(_INSIDE)}
+    refusals = (
+        (
+            sorted(mark[len(_INSIDE) :] for mark in needed if mark.startswith(_INSIDE)),
+            "a value that {modules} computes on an earlier stage but does not return (e.g. keys and "
+            "values shared between layers through a cache or a dict), so it cannot travel with the "
+            "hidden state",
+        ),
+        (
+            sorted(unit for unit in units if outputs[unit].integer_leaves),
+            "an integer tensor that {modules} returns on an earlier stage (e.g. top-k indices shared "
             "between layers); PyTorch's pipeline stage learns shapes by running each stage once on "
             "uninitialised tensors, which an index cannot survive, so only floating-point values "
-            "travel between stages; keep the pipeline to one stage for this model or cut before that module"
-        )
-    repeated = sorted(unit for unit in needed if calls.get(unit, 0) > 1)
-    if repeated:
-        modules = ", ".join(f"{unit!r} ({type(model.get_submodule(unit)).__name__})" for unit in repeated)
-        raise PipelineCutError(
-            f"cannot split {type(model).__name__} before {entry_fqn!r}: stage {stage_index} uses the "
-            f"output of {modules}, which runs on an earlier stage and more than once per forward, so "
-            "no single value of it can travel to the later stage; keep the pipeline to one stage for "
-            "this model or cut where no such value is live"
-        )
+            "travel between stages",
+        ),
+        (
+            sorted(unit for unit in units if calls.get(unit, 0) > 1),
+            "the output of {modules}, which runs on an earlier stage and more than once per forward, "
+            "so no single value of it can travel to the later stage",
+        ),
+    )
+    for refused, reason in refusals:
+        if refused:
+            modules = ", ".join(f"{unit!r} ({type(model.get_submodule(unit)).__name__})" for unit in refused)
+            raise PipelineCutError(
+                f"cannot split {type(model).__name__} before {entry_fqn!r}: stage {stage_index} uses "
+                f"{reason.format(modules=modules)}; keep the pipeline to one stage for this model or "
+                "cut before that module"
+            )
     return needed
 
 

@@ -48,9 +48,15 @@ def build_tiny_mlp(seed: int = 0, outputs: int = 4) -> TinyMLP:
 
 
 def mlp_batches(
-    steps: int, rows: int, *, seed: int = 1, dtype: torch.dtype = torch.float32, outputs: int = 4
+    steps: int,
+    rows: int,
+    *,
+    seed: int = 1,
+    dtype: torch.dtype = torch.float32,
+    outputs: int = 4,
+    inputs: int = 8,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``steps`` batches of ``rows`` random inputs (width 8) and targets (width ``outputs``).
+    """``steps`` batches of ``rows`` random inputs (width ``inputs``) and targets (width ``outputs``).
 
     Example::
 
@@ -59,7 +65,7 @@ def mlp_batches(
     generator = torch.Generator().manual_seed(seed)
     return [
         (
-            torch.randn(rows, 8, generator=generator).to(dtype),
+            torch.randn(rows, inputs, generator=generator).to(dtype),
             torch.randn(rows, outputs, generator=generator).to(dtype),
         )
         for _ in range(steps)

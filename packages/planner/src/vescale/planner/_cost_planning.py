@@ -21,7 +21,7 @@ from vescale.planner.hardware import HardwareProfile
 from vescale.planner.memory import ParallelChoices
 from vescale.planner.performance import Performance, RunnerUp
 from vescale.planner.plan import Plan
-from vescale.planner.profile import ModelProfile, find_repeated_blocks
+from vescale.planner.profile import ModelProfile
 from vescale.planner.search import Candidate, Cluster, search_plans, seconds_per_sample
 
 __all__ = ["performance_of", "plan_by_cost"]
@@ -86,8 +86,7 @@ def _split_points(
     per_stage = -(-profile.num_blocks // pp)
     if not split or split == tuple(per_stage * s for s in range(1, pp)):
         return ()
-    prefix, _ = find_repeated_blocks(model)
-    return tuple(f"{prefix}.{block}" for block in split)
+    return tuple(f"{profile.blocks_fqn}.{block}" for block in split)
 
 
 def plan_by_cost(

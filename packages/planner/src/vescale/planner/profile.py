@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,21 +79,59 @@ class ModelProfile:
     # The largest top-k of the model's MoE routers (0 without MoE blocks): under expert parallelism
     # each token's hidden state is sent to that many experts and comes back from them.
     expert_top_k: int = 0
+    # The FQN of the block list (``model.layers``): pipeline split points name its members.
+    blocks_fqn: str = ""
 
 
-def find_repeated_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
+def find_repeated_blocks(model: nn.Module, ran: Collection[str] | None = None) -> tuple[str, list[nn.Module]]:
     """The FQN and members of the longest ``ModuleList`` of same-class modules (the layers).
+
+    Given the FQNs of the modules that ``ran`` in a forward, only lists whose every member ran
+    count: a multimodal model's vision or audio encoder does not run on a text batch.
 
     Example::
 
         prefix, blocks = find_repeated_blocks(llama)   # "model.layers", 32 decoder layers
     """
     best: tuple[str, list[nn.Module]] = ("", [])
-    for fqn, module in model.named_modules():
-        members = list(module) if isinstance(module, nn.ModuleList) else []
-        if len(members) > max(1, len(best[1])) and len({type(m) for m in members}) == 1:
+    for fqn, module in _block_lists(model):
+        members = list(module)
+        prefix = f"{fqn}." if fqn else ""
+        if ran is not None and any(f"{prefix}{index}" not in ran for index in range(len(members))):
+            continue
+        if len(members) > max(1, len(best[1])):
             best = (fqn, members)
     return best
+
+
+def _block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """The ``ModuleList``s of two or more modules of one class."""
+    return [
+        (fqn, module)
+        for fqn, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1
+    ]
+
+
+def _modules_that_run(
+    model: nn.Module, meta: dict[str, torch.Tensor], args: Any, kwargs: Any
+) -> set[str] | None:
+    """The FQNs of the modules one meta forward calls (``None`` if it cannot run)."""
+    ran: set[str] = set()
+
+    def called(fqn: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        return lambda module, inputs: ran.add(fqn)
+
+    handles = [module.register_forward_pre_hook(called(fqn)) for fqn, module in model.named_modules()]
+    try:
+        with torch.no_grad(), GroupedMatmulShapes(), FakeValuePolicy():
+            functional_call(model, meta, args, kwargs)
+    except (RuntimeError, NotImplementedError, ValueError):
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ran
 
 
 def _example_inputs(
@@ -192,12 +230,15 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
         profile = profile_model(model, sequence_length=2048)
         estimate = estimate_from_profile(profile, ParallelChoices(tensor_parallel_size=8))
     """
-    blocks_fqn, blocks = find_repeated_blocks(model)
-    block_of = {f"{blocks_fqn}.{index}": index for index in range(len(blocks))}
     meta = {
         name: torch.empty_like(tensor, device="meta").requires_grad_(tensor.requires_grad)
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]
     }
+    args, kwargs = _example_inputs(model, micro_batch_size, sequence_length)
+    # Several candidate block lists (a multimodal model): the one that runs on a text batch.
+    ran = _modules_that_run(model, meta, args, kwargs) if len(_block_lists(model)) > 1 else None
+    blocks_fqn, blocks = find_repeated_blocks(model, ran)
+    block_of = {f"{blocks_fqn}.{index}": index for index in range(len(blocks))}
     parameter_storages = {id(meta[name].untyped_storage()) for name, _ in model.named_parameters()}
     stack: list[str] = []
     seen_block = [False, False]  # a block has started; a block has finished
@@ -265,7 +306,6 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
     for fqn, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(enter(fqn), with_kwargs=True))
         handles.append(module.register_forward_hook(leave(fqn), with_kwargs=True, always_call=True))
-    args, kwargs = _example_inputs(model, micro_batch_size, sequence_length)
     try:
         saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
         values = FakeValuePolicy()
@@ -313,4 +353,5 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
         selective_kept=tuple(record for _, record in kept.values()),
         op_costs=tuple(costs),
         expert_top_k=max((block.top_k or 1 for block in find_moe_blocks(model)), default=0),
+        blocks_fqn=blocks_fqn,
     )

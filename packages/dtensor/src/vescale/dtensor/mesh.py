@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from vescale.dtensor.errors import MeshError
+from vescale.dtensor.gloo_exit import wait_for_gloo_workers_at_exit
 
 __all__ = ["MESH_DIM_ORDER", "device_type_for_backend", "init_mesh"]
 
@@ -117,6 +118,8 @@ def init_mesh(*, device_type: str | None = None, **dims: int) -> DeviceMesh:
         return _MESHES[key][1]
     mesh = init_device_mesh(resolved_device, shape, mesh_dim_names=names)
     _MESHES[key] = (weakref.ref(world_group), mesh)
+    if resolved_device == "cpu":
+        wait_for_gloo_workers_at_exit()
     return mesh
 
 

@@ -109,7 +109,9 @@ class _Provenance(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch 
     def fresh(self, tensor: torch.Tensor) -> torch.Tensor:
         """A new tensor of ``tensor``'s metadata that carries no marks."""
         copy = torch.empty_like(tensor)
-        self.sources.pop(id(copy), None)
+        # A DTensor's local tensor too: empty_like ran on it here and took the input's marks.
+        for leaf in _tensor_leaves(copy):
+            self.sources.pop(id(leaf), None)
         return copy
 
     def mark(self, value: Any, marks: frozenset[str], replace: bool = False) -> None:

@@ -162,7 +162,8 @@ class StageRouter:
 
         def gated_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             if router.active_stage is not None and unit_stage < router.active_stage:
-                if carried:
+                # Received only by the stages that need it (or pass it on to one that does).
+                if carried and unit_fqn in router.received_outputs:
                     return router.received_outputs[unit_fqn]
                 return skipped(*args, **kwargs)
             output = original_forward(*args, **kwargs)

@@ -59,7 +59,6 @@ class CarriedOutput:
     """
 
     unit: str
-    stage: int
     spec: TreeSpec
     constants: tuple[Any, ...]
     tensor_leaves: tuple[int, ...]
@@ -205,7 +204,7 @@ def _needed_by_stage(
             provenance.running.pop()
             calls[unit_fqn] = calls.get(unit_fqn, 0) + 1
             if unit_fqn not in outputs:
-                outputs[unit_fqn] = _describe(unit_fqn, layout.unit_stage[unit_fqn], output)
+                outputs[unit_fqn] = _describe(unit_fqn, output)
             provenance.mark(output, frozenset({unit_fqn}), replace=True)
 
         return hook
@@ -276,13 +275,13 @@ def _needed_by_stage(
     return needed
 
 
-def _describe(unit: str, stage: int, output: Any) -> CarriedOutput:
+def _describe(unit: str, output: Any) -> CarriedOutput:
     leaves, spec = tree_flatten(output)
     tensor_leaves = tuple(index for index, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
     constants = tuple(None if index in tensor_leaves else leaf for index, leaf in enumerate(leaves))
     dtensor_leaves = frozenset(index for index in tensor_leaves if isinstance(leaves[index], DTensor))
     integer_leaves = frozenset(index for index in tensor_leaves if not leaves[index].is_floating_point())
-    return CarriedOutput(unit, stage, spec, constants, tensor_leaves, dtensor_leaves, integer_leaves)
+    return CarriedOutput(unit, spec, constants, tensor_leaves, dtensor_leaves, integer_leaves)
 
 
 class _StageEnd(Exception):

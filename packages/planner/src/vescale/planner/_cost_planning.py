@@ -79,9 +79,7 @@ def _runners_up(ranked: list[Candidate], top_k: int) -> tuple[RunnerUp, ...]:
     return tuple(result)
 
 
-def _split_points(
-    model: nn.Module, split: tuple[int, ...], profile: ModelProfile, pp: int
-) -> tuple[str, ...]:
+def _split_points(split: tuple[int, ...], profile: ModelProfile, pp: int) -> tuple[str, ...]:
     """Module FQNs that start each stage, or ``()`` when the split is the uniform one."""
     per_stage = -(-profile.num_blocks // pp)
     if not split or split == tuple(per_stage * s for s in range(1, pp)):
@@ -172,6 +170,6 @@ def plan_by_cost(
         reasons,
         per_node,
         virtual_stages=best.virtual_stages,
-        split_points=_split_points(model, best.stage_split, profile, c.pipeline_parallel_size),
+        split_points=_split_points(best.stage_split, profile, c.pipeline_parallel_size),
         performance=performance,
     )

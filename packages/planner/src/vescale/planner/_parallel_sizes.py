@@ -1,5 +1,5 @@
-"""The parallel sizes a world can be split into, and the batches and sequence parallelism each
-split can run.
+"""The parallel sizes a world can be split into, the batches and sequence parallelism each
+split can run, and the choices of one candidate layout.
 
 Shared by the rule-based planner and the cost-model search (:mod:`vescale.planner.search`).
 
@@ -10,10 +10,14 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from vescale.dmodule.sharding_plan import ShardingPlan
 from vescale.planner.constraints import Constraints
 from vescale.planner.errors import ConstraintError
+from vescale.planner.memory import ParallelChoices
 
-__all__ = ["batches", "divisors", "parallel_sizes", "sequence_parallel_for"]
+__all__ = ["batches", "candidate_layout", "divisors", "parallel_sizes", "sequence_parallel_for"]
 
 
 def divisors(number: int) -> list[int]:
@@ -89,3 +93,43 @@ def sequence_parallel_for(constraints: Constraints, tp: int) -> bool | None:
     if constraints.sequence_parallel and tp == 1:
         return None
     return constraints.sequence_parallel
+
+
+def candidate_layout(
+    constraints: Constraints,
+    sizes: tuple[int, int, int, int],
+    zero_stage: int,
+    activation_checkpointing: str,
+    mixed_precision: str,
+    sequence_length: int,
+    sharding_plans: Mapping[bool, ShardingPlan | None],
+) -> ParallelChoices | None:
+    """The choices of the candidate ``sizes = (tp, pp, dp, ep)`` with one micro-batch of 1 (the
+    caller replaces the batch and schedule fields), or ``None`` where no planner tries it: ZeRO
+    over a single data-parallel rank unless the stage is constrained (it divides nothing), or
+    sequence parallelism asked for with ``tp`` 1. ``sharding_plans[sp]`` is the tensor-parallel
+    plan with or without sequence parallelism.
+
+    Example::
+
+        layout = candidate_layout(Constraints(), (2, 1, 4, 1), 1, "none", "bf16", 2048, {True: plan})
+        choices = dataclasses.replace(layout, micro_batch_size=2, num_microbatches=1)
+    """
+    tp, pp, dp, ep = sizes
+    if zero_stage > 0 and dp == 1 and constraints.zero_stage is None:
+        return None
+    sequence_parallel = sequence_parallel_for(constraints, tp)
+    if sequence_parallel is None:
+        return None
+    return ParallelChoices(
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        data_parallel_size=dp,
+        expert_parallel_size=ep,
+        sequence_parallel=sequence_parallel,
+        zero_stage=zero_stage,
+        sequence_length=sequence_length,
+        mixed_precision=mixed_precision,
+        activation_checkpointing=activation_checkpointing,
+        sharding_plan=sharding_plans.get(sequence_parallel) if tp > 1 else None,
+    )

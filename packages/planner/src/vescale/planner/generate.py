@@ -34,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Iterator
@@ -48,7 +49,7 @@ from vescale.dmodule.experts import find_moe_blocks
 from vescale.planner._assembly import assemble_plan
 from vescale.planner._cost_planning import plan_by_cost
 from vescale.planner._meta_forward import meta_parameters
-from vescale.planner._parallel_sizes import batches, divisors, parallel_sizes, sequence_parallel_for
+from vescale.planner._parallel_sizes import batches, candidate_layout, divisors, parallel_sizes
 from vescale.planner._sequence_length import default_sequence_length, profile_at_default_length
 from vescale.planner.constraints import Constraints
 from vescale.planner.errors import ConstraintError, PlanError
@@ -216,33 +217,22 @@ def _rule_based_choice(
         else ["none", "selective", "full"]
     )
     zero_stages = [constraints.zero_stage] if constraints.zero_stage is not None else [0, 1, 2, 3]
+    plans = {False: auto.plan, True: auto.plan} if auto else {}
     smallest = None
     for tp, pp, dp, ep, recompute, zero in _rule_order(
         model, constraints, world_size, per_node, auto, profiles[1].num_blocks, checkpointing, zero_stages
     ):
         split = batches(constraints, dp * ep, pp)
-        if split is None or (zero > 0 and dp == 1 and constraints.zero_stage is None):
-            continue
-        sequence_parallel = sequence_parallel_for(constraints, tp)
-        if sequence_parallel is None:
+        layout = candidate_layout(
+            constraints, (tp, pp, dp, ep), zero, recompute, mixed_precision, sequence_length, plans
+        )
+        if split is None or layout is None:
             continue
         global_batch, micro = split
         num_microbatches = global_batch // (dp * ep * micro)
         schedule = constraints.pipeline_parallel_schedule or ("1f1b" if num_microbatches >= pp else "gpipe")
-        choices = ParallelChoices(
-            tensor_parallel_size=tp,
-            pipeline_parallel_size=pp,
-            data_parallel_size=dp,
-            expert_parallel_size=ep,
-            sequence_parallel=sequence_parallel,
-            zero_stage=zero,
-            micro_batch_size=micro,
-            sequence_length=sequence_length,
-            num_microbatches=num_microbatches,
-            schedule=schedule,
-            mixed_precision=mixed_precision,
-            activation_checkpointing=recompute,
-            sharding_plan=auto.plan if auto and tp > 1 else None,
+        choices = dataclasses.replace(
+            layout, micro_batch_size=micro, num_microbatches=num_microbatches, schedule=schedule
         )
         if micro not in profiles:
             profiles[micro] = profile_model(model, sequence_length, micro)

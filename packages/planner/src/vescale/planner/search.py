@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from vescale.dmodule.sharding_plan import ShardingPlan
-from vescale.planner._parallel_sizes import divisors, parallel_sizes, sequence_parallel_for
+from vescale.planner._parallel_sizes import candidate_layout, divisors, parallel_sizes
 from vescale.planner._profile_scaling import scaled_profile
 from vescale.planner.constraints import Constraints
 from vescale.planner.cost import StepCost, balanced_split, op_parts, predict_step
@@ -204,36 +204,24 @@ def search_plans(
     for (tp, pp, dp, ep), precision, zero, recompute in itertools.product(
         sizes, precisions, _axis(constraints.zero_stage, [0, 1, 2, 3]), recomputes
     ):
-        if zero > 0 and dp == 1 and constraints.zero_stage is None:
-            continue
-        sequence_parallel = sequence_parallel_for(constraints, tp)
-        if sequence_parallel is None:
+        layout = candidate_layout(
+            constraints, (tp, pp, dp, ep), zero, recompute, precision, sequence_length, sharding_plans
+        )
+        if layout is None:
             continue
         for micro, count in _micro_batches(constraints, dp * ep, pp):
             if micro not in scaled:
                 scaled[micro] = scaled_profile(profile, micro)
             for schedule, virtual in _schedules(constraints, pp, count, profile.num_blocks):
-                choices = ParallelChoices(
-                    tensor_parallel_size=tp,
-                    pipeline_parallel_size=pp,
-                    data_parallel_size=dp,
-                    expert_parallel_size=ep,
-                    sequence_parallel=sequence_parallel,
-                    zero_stage=zero,
-                    micro_batch_size=micro,
-                    sequence_length=sequence_length,
-                    num_microbatches=count,
-                    schedule=schedule,
-                    mixed_precision=precision,
-                    activation_checkpointing=recompute,
-                    sharding_plan=sharding_plans.get(sequence_parallel) if tp > 1 else None,
+                choices = dataclasses.replace(
+                    layout, micro_batch_size=micro, num_microbatches=count, schedule=schedule
                 )
                 estimate = memory.estimate(scaled[micro], choices)
                 if smallest is None or estimate.total < smallest[1].total:
                     smallest = (choices, estimate)
                 if estimate.total > limit:
                     continue
-                parts_key = (tp, ep, sequence_parallel, precision, micro)
+                parts_key = (tp, ep, layout.sequence_parallel, precision, micro)
                 if parts_key not in parts_cache:
                     parts_cache[parts_key] = op_parts(scaled[micro], choices, hardware)
                 parts = parts_cache[parts_key]

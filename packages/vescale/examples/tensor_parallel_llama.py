@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from vescale.cli.models import resolve_model
 from vescale.dmodule import deferred_init, parallelize_module, plan_tensor_parallel
 from vescale.dtensor import init_mesh, manual_seed
 
@@ -20,15 +21,7 @@ from vescale.dtensor import init_mesh, manual_seed
 def main() -> None:
     dist.init_process_group("gloo")
     mesh = init_mesh(tp=dist.get_world_size())
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    config = resolve_model("tiny-llama").config  # the `vescale train` default: a 4-layer LlamaConfig
     manual_seed(0)  # the same random numbers on every rank as in one process
     model = deferred_init(transformers.LlamaForCausalLM, config)
     result = plan_tensor_parallel(model, sequence_parallel=True)

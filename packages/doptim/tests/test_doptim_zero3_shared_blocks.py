@@ -26,8 +26,9 @@ from vescale.doptim.data_parallel import _fully_shard_units
 from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.models.hf_architectures import build_tiny_causal_lm, tiny_causal_lm_batch
-from vescale.dtensor.testing.numerics import assert_close_by_fqn, full_parameters, sgd_step_gradients
-from vescale.dtensor.testing.reference import assert_matches_reference, train_reference, train_steps
+from vescale.dtensor.testing.numerics import assert_close_by_fqn
+from vescale.dtensor.testing.readback import sgd_gradients_and_mean_losses
+from vescale.dtensor.testing.reference import assert_matches_reference, train_reference
 
 RTOL = 1e-5
 GLOBAL_BATCH, STEPS, SGD_LR = 4, 3, 1e5
@@ -67,16 +68,10 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 def _run_zero3(deterministic: bool) -> dict:
     torch.set_num_threads(1)
-    model, optimizer = _zero3(lambda m: torch.optim.SGD(m.parameters(), lr=SGD_LR), deterministic)
-    before = full_parameters(model)
-    train_steps(model, optimizer, [_local(_batches(1)[0])], _loss)
-    gradients = sgd_step_gradients(before, full_parameters(model), SGD_LR)
-    model, optimizer = _zero3(_adamw, deterministic)
-    losses = train_steps(model, optimizer, [_local(batch) for batch in _batches(STEPS)], _loss)
-    # each rank's loss is its half's mean over as many tokens: the global loss is their mean
-    totals = torch.tensor(losses)
-    dist.all_reduce(totals)
-    return {"gradients": gradients, "losses": (totals / dist.get_world_size()).tolist()}
+    local_batches = [_local(batch) for batch in _batches(STEPS)]
+    return sgd_gradients_and_mean_losses(
+        lambda optimizer_fn: _zero3(optimizer_fn, deterministic), local_batches, _loss, _adamw, SGD_LR
+    )
 
 
 def test_the_blocks_that_share_a_module_are_one_unit():

@@ -26,8 +26,9 @@ from vescale.doptim import DistributedOptimizer, data_parallel
 from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.models.mlp import mlp_batches, mse_loss
-from vescale.dtensor.testing.numerics import assert_close_by_fqn, full_parameters, sgd_step_gradients
-from vescale.dtensor.testing.reference import assert_matches_reference, train_reference, train_steps
+from vescale.dtensor.testing.numerics import assert_close_by_fqn
+from vescale.dtensor.testing.readback import sgd_gradients_and_mean_losses
+from vescale.dtensor.testing.reference import assert_matches_reference, train_reference
 
 RTOL = 1e-5
 GLOBAL_BATCH, WIDTH, STEPS, SGD_LR = 8, 16, 3, 1e3
@@ -99,16 +100,7 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 def _run_zero3() -> dict:
     torch.set_num_threads(1)
-    model, optimizer = _zero3(lambda m: torch.optim.SGD(m.parameters(), lr=SGD_LR))
-    before = full_parameters(model)
-    train_steps(model, optimizer, _batches(1), _local_loss)
-    gradients = sgd_step_gradients(before, full_parameters(model), SGD_LR)
-    model, optimizer = _zero3(_adamw)
-    losses = train_steps(model, optimizer, _batches(STEPS), _local_loss)
-    # each rank's loss is its half's mean: the global batch's loss is their mean
-    totals = torch.tensor(losses)
-    dist.all_reduce(totals)
-    return {"gradients": gradients, "losses": (totals / dist.get_world_size()).tolist()}
+    return sgd_gradients_and_mean_losses(_zero3, _batches(STEPS), _local_loss, _adamw, SGD_LR)
 
 
 def test_zero3_on_a_block_ignoring_a_dtensor_input_trains_like_one_process():

@@ -83,18 +83,6 @@ def llama_config():
     )
 
 
-def _warm_up() -> None:
-    """One training step of a tiny model: the one-time set-up of the libraries is not the plan's."""
-    from transformers import LlamaForCausalLM
-
-    from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
-
-    model = LlamaForCausalLM(tiny_hf_config("llama"))
-    ids = torch.zeros(2, 8, dtype=torch.long)
-    model(input_ids=ids, labels=ids).loss.backward()
-    torch.optim.AdamW(model.parameters()).step()
-
-
 def _build(plan_json: str, mesh):
     from transformers import LlamaForCausalLM
 
@@ -128,6 +116,7 @@ def measure_rank(plan_json: str, steps: int, glibc_default: bool) -> dict:
         high_water_mark_bytes,
         reset_high_water_mark,
         trimmed_resident_bytes,
+        warm_up_training,
     )
     from vescale.planner import Plan
 
@@ -135,7 +124,7 @@ def measure_rank(plan_json: str, steps: int, glibc_default: bool) -> dict:
     if not glibc_default:
         fix_mmap_threshold()
     mesh = init_mesh(**{dim: size for dim, size in plan.mesh if size > 1})
-    _warm_up()
+    warm_up_training()
     dp_rank = mesh.get_local_rank("dp") if plan.mesh_size("dp") > 1 else 0
     generator = torch.Generator().manual_seed(1)
     rows = torch.randint(0, 4096, (plan.global_batch_size, SEQUENCE_LENGTH), generator=generator)

@@ -44,15 +44,11 @@ def measured_training_peak() -> int:
         high_water_mark_bytes,
         reset_high_water_mark,
         trimmed_resident_bytes,
+        warm_up_training,
     )
-    from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
 
     fix_mmap_threshold()
-    warm_up = LlamaForCausalLM(tiny_hf_config("llama"))
-    warm_up(
-        input_ids=torch.zeros(2, 8, dtype=torch.long), labels=torch.zeros(2, 8, dtype=torch.long)
-    ).loss.backward()
-    del warm_up
+    warm_up_training()
     input_ids = torch.randint(0, 4096, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1))
     base = trimmed_resident_bytes()
     reset_high_water_mark()  # the high-water mark restarts from the current resident set

@@ -35,6 +35,7 @@ __all__ = [
     "reset_high_water_mark",
     "resident_bytes",
     "trimmed_resident_bytes",
+    "warm_up_training",
 ]
 
 
@@ -91,6 +92,26 @@ def fix_mmap_threshold(threshold_bytes: int = 128 * 1024) -> None:
     if libc is not None and hasattr(libc, "mallopt"):
         m_mmap_threshold = -3  # glibc's malloc.h
         libc.mallopt(m_mmap_threshold, threshold_bytes)
+
+
+def warm_up_training() -> None:
+    """One AdamW step of a tiny ``transformers`` Llama (a test dependency), before a baseline is
+    taken: the libraries' one-time set-up (thread pools, kernels' scratch, the optimizer's first
+    step) then counts in the baseline, not as the measured run's memory.
+
+    Example::
+
+        warm_up_training(); base = trimmed_resident_bytes(); train(); growth = resident_bytes() - base
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
+
+    model = LlamaForCausalLM(tiny_hf_config("llama"))
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.AdamW(model.parameters()).step()
 
 
 class PeakResident:

@@ -24,9 +24,9 @@ from torch.distributed.tensor import Shard
 
 from vescale.dmodule.auto_plan import auto_sharding_plan
 from vescale.dmodule.parallelize import parallelize_module
+from vescale.dmodule.testing.step_errors import assert_step_errors_within, step_errors
 from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
-from vescale.dtensor.testing.numerics import gradient_errors, relative_error
 
 pytest.importorskip("transformers")
 
@@ -45,15 +45,8 @@ def _grouped_query_step_errors(mesh: Any, sequence_parallel: bool) -> dict:
     model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(
         lambda module, args: attention_outputs.append(args[0].placements)
     )
-    loss = model(input_ids=input_ids, labels=labels).loss
-    loss.backward()
-    reference_loss = reference(input_ids=input_ids, labels=labels).loss
-    reference_loss.backward()
-    return {
-        "heads_sharded_on_tp": attention_outputs[0][1] == Shard(2),
-        "loss_error": relative_error(loss, reference_loss),
-        "grad_errors": gradient_errors(model, reference),
-    }
+    errors = step_errors(model, reference, input_ids, labels)
+    return {"heads_sharded_on_tp": attention_outputs[0][1] == Shard(2), **errors}
 
 
 def grouped_query_step_errors(sequence_parallel_settings: tuple[bool, ...]) -> dict[bool, dict]:
@@ -68,6 +61,4 @@ def test_llama_with_two_key_value_heads_on_dp2_tp2_matches_single_device():
             where = f"rank {rank}, sequence_parallel={sequence_parallel}"
             # o_proj reads the attention output (batch, seq, heads * head_dim) sharded by heads.
             assert result["heads_sharded_on_tp"], f"{where}: the attention output was gathered"
-            assert result["loss_error"] <= LOSS_RTOL, where
-            worst = max(result["grad_errors"], key=result["grad_errors"].get)
-            assert result["grad_errors"][worst] <= GRAD_RTOL, (where, worst, result["grad_errors"][worst])
+            assert_step_errors_within(result, LOSS_RTOL, GRAD_RTOL, where)

@@ -1,4 +1,6 @@
-"""dmodule's shipped test support: tiny Hugging Face MoE models and their batches.
+"""dmodule's shipped test support: tiny Hugging Face MoE models and their batches
+(``moe_models``), and one step of a parallelized model checked against its reference
+(``step_errors``).
 
 ``transformers`` is a test dependency: it is imported inside the builders only.
 

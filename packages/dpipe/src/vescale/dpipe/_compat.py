@@ -6,6 +6,10 @@ skips its data-dependent checks for them, which plain ``meta`` tensors do not ge
 tensors live in the private ``torch._subclasses``; ``tests/test_dpipe_compat.py`` fails
 loudly when a PyTorch release renames or removes it.
 
+A tensor-parallel model's fake pass also runs DTensor's own bookkeeping (a ``_StridedShard``'s
+offsets, the strategy of an op found through its decomposition), which builds tensors that the
+fake mode must not capture: :func:`dtensor_bookkeeping_outside_fake_mode` runs it outside.
+
 Example::
 
     from vescale.dpipe import _compat
@@ -15,13 +19,21 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
-__all__ = ["MIN_TORCH", "TESTED_TORCH", "PrivateTorchAPIError", "fake_tensor_mode"]
+__all__ = [
+    "MIN_TORCH",
+    "TESTED_TORCH",
+    "PrivateTorchAPIError",
+    "dtensor_bookkeeping_outside_fake_mode",
+    "fake_tensor_mode",
+]
 
 MIN_TORCH = (2, 11)
 # The newest release these private attributes were checked against.
@@ -54,3 +66,78 @@ def fake_tensor_mode() -> AbstractContextManager[Any]:
         return mode
     except TypeError as error:
         raise _missing("FakeTensorMode(allow_non_fake_inputs=...)") from error
+
+
+# DTensor's own bookkeeping that builds tensors and must not see the fake mode of the pass:
+# (module, class, method, whether only plain integer sizes (not a compiled graph's symbols) qualify).
+_BOOKKEEPING_METHODS = (
+    # A _StridedShard's shard sizes and offsets: torch.arange(size) read back with tolist().
+    ("torch.distributed.tensor.placement_types", "_StridedShard", "local_shard_size_and_offset", True),
+    # The sharding strategy of an op without one, found by running its decomposition on meta tensors.
+    ("torch.distributed.tensor._decompositions", "DecompShardingStrategy", "propagate_strategy", False),
+)
+
+
+def _bookkeeping_method(module_name: str, class_name: str, method: str) -> tuple[type, Any]:
+    what = f"{module_name}.{class_name}.{method}"
+    try:
+        owner = getattr(importlib.import_module(module_name), class_name, None)
+    except ImportError as error:
+        raise _missing(what) from error
+    if not isinstance(owner, type) or not callable(owner.__dict__.get(method)):
+        raise _missing(what)
+    return owner, owner.__dict__[method]
+
+
+def _unset_fake_temporarily() -> Any:
+    fake_tensor_module = importlib.import_module("torch._subclasses.fake_tensor")
+    unset = getattr(fake_tensor_module, "unset_fake_temporarily", None)
+    if unset is None:
+        raise _missing("torch._subclasses.fake_tensor.unset_fake_temporarily")
+    return unset
+
+
+def _outside_fake_mode(original: Any, integer_sizes_only: bool, unset_fake: Any) -> Any:
+    def method(self: Any, first: Any, *args: Any, **kwargs: Any) -> Any:
+        if integer_sizes_only and not isinstance(first, int):
+            return original(self, first, *args, **kwargs)
+        with unset_fake():
+            return original(self, first, *args, **kwargs)
+
+    return method
+
+
+@contextlib.contextmanager
+def dtensor_bookkeeping_outside_fake_mode() -> Iterator[None]:
+    """Inside, DTensor's own index and strategy computations run outside the active ``FakeTensorMode``.
+
+    A tensor-parallel model's fake pass dispatches DTensor ops, and two pieces of DTensor's
+    bookkeeping build tensors of their own that the fake mode captures:
+
+    - a ``_StridedShard`` (a fused QKV or gate/up weight) derives its shard offsets from
+      ``torch.arange(size).tolist()``; a fake index tensor cannot be read
+      (``DataDependentOutputException``);
+    - an op without a registered strategy (``log_sigmoid_forward``, Inkling's router) gets one
+      by running its decomposition on meta tensors of a size-1 mesh; under the fake mode every
+      candidate fails and the op "has no sharding strategy".
+
+    Both depend only on sizes and placements, so running them outside the fake mode is exact;
+    ``_StridedShard`` offsets of symbolic sizes (a compiled graph) keep PyTorch's own path.
+
+    Example::
+
+        with _compat.fake_tensor_mode(), _compat.dtensor_bookkeeping_outside_fake_mode():
+            output = tensor_parallel_model(**fake_batch)
+    """
+    unset_fake = _unset_fake_temporarily()
+    found = [
+        (*_bookkeeping_method(module_name, class_name, method), method, integer_sizes_only)
+        for module_name, class_name, method, integer_sizes_only in _BOOKKEEPING_METHODS
+    ]
+    try:
+        for owner, original, method, integer_sizes_only in found:
+            setattr(owner, method, _outside_fake_mode(original, integer_sizes_only, unset_fake))
+        yield
+    finally:
+        for owner, original, method, _ in found:
+            setattr(owner, method, original)

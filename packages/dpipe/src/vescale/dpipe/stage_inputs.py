@@ -38,11 +38,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
 
-from vescale.dpipe import _compat
 from vescale.dpipe.errors import PipelineCutError
 from vescale.dpipe.split import StageLayout
-from vescale.dtensor.deferred.fake_values import FakeValuePolicy
-from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
+from vescale.dpipe.tracing import shapes_only_pass
 
 __all__ = ["CarriedOutput", "StageInputs", "find_stage_inputs"]
 
@@ -230,7 +228,7 @@ def _needed_by_stage(
     config = getattr(model, "config", None)
     model_kwargs = {"use_cache": False} if config is not None and hasattr(config, "use_cache") else {}
     try:
-        with torch.no_grad(), _compat.fake_tensor_mode(), GroupedMatmulShapes(), FakeValuePolicy():
+        with shapes_only_pass():
             fake_batch = {name: _fake(value) for name, value in example_batch.items()}
             with provenance:
                 try:

@@ -13,8 +13,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ from vescale.dpipe.errors import PipelineCutError
 from vescale.dtensor.deferred.fake_values import FakeValuePolicy
 from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
 
-__all__ = ["ModelTrace", "default_example_batch", "trace_model"]
+__all__ = ["ModelTrace", "default_example_batch", "shapes_only_pass", "trace_model"]
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,7 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
         handles.append(module.register_forward_pre_hook(before(fqn)))
         handles.append(module.register_forward_hook(after(fqn)))
     try:
-        # GroupedMatmulShapes: MoE experts' float32 grouped matmul has no fake kernel (bf16 only).
-        # FakeValuePolicy: values the model reads (XLM's .item(), MoE routing's nonzero).
-        with torch.no_grad(), _compat.fake_tensor_mode(), GroupedMatmulShapes(), FakeValuePolicy():
+        with shapes_only_pass():
             fake_batch = {name: _to_fake(value) for name, value in example_batch.items()}
             with flop_counter, parameter_uses:
                 output = model(**fake_batch, **_no_cache_kwargs(model))
@@ -143,6 +142,30 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
         parameter_uses.uses,
         inside_autograd_function,
     )
+
+
+@contextlib.contextmanager
+def shapes_only_pass() -> Iterator[None]:
+    """The context of a forward on fake tensors: no gradients, fake tensors, and what the model needs.
+
+    ``GroupedMatmulShapes``: MoE experts' float32 grouped matmul has no fake kernel (bf16 only).
+    ``FakeValuePolicy``: values the model reads (XLM's ``.item()``, MoE routing's ``nonzero``).
+    ``dtensor_bookkeeping_outside_fake_mode``: a tensor-parallel model's DTensor ops (fused
+    weights' ``_StridedShard`` offsets, strategies found through an op's decomposition).
+
+    Example::
+
+        with shapes_only_pass():
+            output = model(input_ids=_to_fake(torch.zeros(1, 16, dtype=torch.long)))
+    """
+    with (
+        torch.no_grad(),
+        _compat.fake_tensor_mode(),
+        _compat.dtensor_bookkeeping_outside_fake_mode(),
+        GroupedMatmulShapes(),
+        FakeValuePolicy(),
+    ):
+        yield
 
 
 def _enclosing_autograd_function() -> str | None:

@@ -20,6 +20,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from vescale.dtensor._placement_moves import (
+    BATCH_MESH_DIMS,
+    keeps_dims_replicate,
+    leaves_a_batch_dim,
+    moves_an_unchanged_replicate_dim,
+    one_dim_among_replicate_ones,
+)
+
 if TYPE_CHECKING:
     _ModeT = TypeVar("_ModeT", bound="TorchDispatchMode")
 
@@ -605,48 +613,6 @@ def install_strided_shard_greedy_redistribution() -> None:
 # and otherwise takes the greedy plan, which moves each mesh dim that changes, on its own.
 
 
-def _moves_an_unchanged_replicate_dim(transform_infos: list[Any], src_spec: Any, dst_spec: Any) -> bool:
-    unchanged = {
-        dim
-        for dim, (source, target) in enumerate(zip(src_spec.placements, dst_spec.placements, strict=True))
-        if source.is_replicate() and target.is_replicate()
-    }
-    return any(info.mesh_dim in unchanged for info in transform_infos)
-
-
-def _one_dim_among_replicate_ones(src_spec: Any, dst_spec: Any) -> bool:
-    """Whether a move on a mesh of several dims changes one dim, the tensor Replicate on every other.
-
-    torch plans every move that involves a ``_StridedShard`` by a search over the placements of
-    all mesh dims, whose cost grows with the mesh's dims and which is cached per tensor shape: a
-    tensor-parallel MoE layer (a new shape per expert's token count) on a pp x dp x tp mesh spent
-    0.66 s per plan, minutes per step. With one dim to move, the greedy plan moves just it.
-    """
-    placements = list(zip(src_spec.placements, dst_spec.placements, strict=True))
-    changed = [source != target for source, target in placements]
-    others_replicate = all(
-        source.is_replicate() and target.is_replicate()
-        for (source, target), moves in zip(placements, changed, strict=True)
-        if not moves
-    )
-    return len(placements) > 1 and sum(changed) == 1 and others_replicate
-
-
-def _leaves_a_batch_dim(src_spec: Any, dst_spec: Any) -> bool:
-    """Whether a move takes a tensor off Replicate on a batch mesh dim (dp, ep, pp).
-
-    Sharding propagation prices every candidate strategy of an op, including ones that shard
-    over the batch dims, which :func:`install_batch_dims_strategy_guard` then turns down (they
-    would split two ranks' different batches). Priced by torch's search over a pp x dp x tp mesh,
-    each such candidate took up to a second; the greedy plan prices it at once.
-    """
-    names = src_spec.mesh.mesh_dim_names
-    return names is not None and any(
-        name in BATCH_MESH_DIMS and source.is_replicate() and not target.is_replicate()
-        for name, source, target in zip(names, src_spec.placements, dst_spec.placements, strict=True)
-    )
-
-
 def install_replicate_dims_guard() -> None:
     """Plan every redistribution without moving data across a mesh dim on which the tensor is
     Replicate before and after (idempotent; see the comment above).
@@ -663,9 +629,9 @@ def install_replicate_dims_guard() -> None:
     def plan_keeping_replicate_dims(
         src_spec: Any, dst_spec: Any, use_graph_based_transform: Any = None
     ) -> Any:
-        if not (_one_dim_among_replicate_ones(src_spec, dst_spec) or _leaves_a_batch_dim(src_spec, dst_spec)):
+        if not (one_dim_among_replicate_ones(src_spec, dst_spec) or leaves_a_batch_dim(src_spec, dst_spec)):
             transform_infos = plan(src_spec, dst_spec, use_graph_based_transform)
-            if not _moves_an_unchanged_replicate_dim(transform_infos, src_spec, dst_spec):
+            if not moves_an_unchanged_replicate_dim(transform_infos, src_spec, dst_spec):
                 return transform_infos
         planner = get_planner(src_spec.device_mesh, src_spec.tensor_meta)
         greedy = planner.generate_greedy_transform_infos(src_spec, dst_spec)
@@ -684,15 +650,8 @@ def install_replicate_dims_guard() -> None:
 # choice) splits two ranks' different batches as if they were one tensor. OLMo-2 under dp2 x tp2
 # added (R, S(2)) + (R, Partial) into (S(0), S(2)), and its gradients came out 60% off. The
 # wrapper keeps such dims Replicate in and out whenever a strategy allows it.
-BATCH_MESH_DIMS = ("dp", "ep", "pp")
 _SHARDING_PROP_MODULE = "torch.distributed.tensor._sharding_prop"
 _SELECT_ATTRIBUTE = "_select_min_cost_strategy"
-
-
-def _keeps_dims_replicate(op_spec: Any, dims: list[int]) -> bool:
-    outputs = op_spec.output_specs
-    specs = [*(op_spec.input_specs or ()), *(outputs if isinstance(outputs, tuple) else (outputs,))]
-    return all(spec is None or spec.placements[dim].is_replicate() for spec in specs for dim in dims)
 
 
 def install_batch_dims_strategy_guard() -> None:
@@ -718,7 +677,7 @@ def install_batch_dims_strategy_guard() -> None:
             if name in BATCH_MESH_DIMS and all(spec.placements[dim].is_replicate() for spec in specs)
         ]
         if dims and len(strategy.strategies) > 1:
-            kept = [op_spec for op_spec in strategy.strategies if _keeps_dims_replicate(op_spec, dims)]
+            kept = [op_spec for op_spec in strategy.strategies if keeps_dims_replicate(op_spec, dims)]
             if kept and len(kept) < len(strategy.strategies):
                 return select(type(strategy)(kept), op_schema)
         return select(strategy, op_schema)

@@ -1,0 +1,77 @@
+"""Which redistributions and strategies veScale plans itself, as predicates over DTensor specs.
+
+``vescale.dtensor._compat`` wraps torch's redistribution planner and strategy selection with
+these (the batch mesh dims hold each rank's own data under a Replicate placement, and torch's
+search over every mesh dim is slow on meshes of three dims). They read only a spec's mesh and
+placements.
+
+Example::
+
+    if moves_an_unchanged_replicate_dim(plan, src_spec, dst_spec):
+        plan = planner.generate_greedy_transform_infos(src_spec, dst_spec)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "BATCH_MESH_DIMS",
+    "keeps_dims_replicate",
+    "leaves_a_batch_dim",
+    "moves_an_unchanged_replicate_dim",
+    "one_dim_among_replicate_ones",
+]
+
+BATCH_MESH_DIMS = ("dp", "ep", "pp")
+"""Mesh dims over which each rank holds its own part of the batch (Replicate: same module, not same data)."""
+
+
+def moves_an_unchanged_replicate_dim(transform_infos: list[Any], src_spec: Any, dst_spec: Any) -> bool:
+    """Whether a plan moves data across a mesh dim on which the tensor is Replicate before and after."""
+    unchanged = {
+        dim
+        for dim, (source, target) in enumerate(zip(src_spec.placements, dst_spec.placements, strict=True))
+        if source.is_replicate() and target.is_replicate()
+    }
+    return any(info.mesh_dim in unchanged for info in transform_infos)
+
+
+def one_dim_among_replicate_ones(src_spec: Any, dst_spec: Any) -> bool:
+    """Whether a move on a mesh of several dims changes one dim, the tensor Replicate on every other.
+
+    torch plans every move that involves a ``_StridedShard`` by a search over the placements of
+    all mesh dims, whose cost grows with the mesh's dims and which is cached per tensor shape: a
+    tensor-parallel MoE layer (a new shape per expert's token count) on a pp x dp x tp mesh spent
+    0.66 s per plan, minutes per step. With one dim to move, the greedy plan moves just it.
+    """
+    placements = list(zip(src_spec.placements, dst_spec.placements, strict=True))
+    changed = [source != target for source, target in placements]
+    others_replicate = all(
+        source.is_replicate() and target.is_replicate()
+        for (source, target), moves in zip(placements, changed, strict=True)
+        if not moves
+    )
+    return len(placements) > 1 and sum(changed) == 1 and others_replicate
+
+
+def leaves_a_batch_dim(src_spec: Any, dst_spec: Any) -> bool:
+    """Whether a move takes a tensor off Replicate on a batch mesh dim (dp, ep, pp).
+
+    Sharding propagation prices every candidate strategy of an op, including ones that shard
+    over the batch dims, which ``_compat.install_batch_dims_strategy_guard`` then turns down (they
+    would split two ranks' different batches). Priced by torch's search over a pp x dp x tp mesh,
+    each such candidate took up to a second; the greedy plan prices it at once.
+    """
+    names = src_spec.mesh.mesh_dim_names
+    return names is not None and any(
+        name in BATCH_MESH_DIMS and source.is_replicate() and not target.is_replicate()
+        for name, source, target in zip(names, src_spec.placements, dst_spec.placements, strict=True)
+    )
+
+
+def keeps_dims_replicate(op_spec: Any, dims: list[int]) -> bool:
+    """Whether a strategy keeps every input and output Replicate on the mesh dims ``dims``."""
+    outputs = op_spec.output_specs
+    specs = [*(op_spec.input_specs or ()), *(outputs if isinstance(outputs, tuple) else (outputs,))]
+    return all(spec is None or spec.placements[dim].is_replicate() for spec in specs for dim in dims)

@@ -201,7 +201,7 @@ def test_strided_shard_redistribution_falls_back_to_greedy_on_torch_2_11_only():
 def test_moves_torch_2_11_cannot_make_in_one_step_go_through_replicate():
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    from vescale.dtensor._compat import _through_replicate
+    from vescale.dtensor._placement_moves import through_replicate
 
     transform_info = importlib_attribute("torch.distributed.tensor._redistribute", "_TransformInfo")
     strided = _compat.strided_shard_type()(0, split_factor=3)
@@ -211,7 +211,8 @@ def test_moves_torch_2_11_cannot_make_in_one_step_go_through_replicate():
         transform_info(mesh_dim=0, src_dst_placements=(Replicate(), strided), logical_shape=[6, 2]),
         transform_info(mesh_dim=0, src_dst_placements=(Shard(1), Shard(0)), logical_shape=[6, 2]),
     ]
-    moves = [(step.mesh_dim, *step.src_dst_placements) for step in _through_replicate(steps)]
+    planned = through_replicate(steps, _compat.strided_shard_type())
+    moves = [(step.mesh_dim, *step.src_dst_placements) for step in planned]
     assert moves == [
         (0, strided, Replicate()),
         (0, Replicate(), Shard(0)),
@@ -249,3 +250,20 @@ def test_active_torch_function_modes_lists_the_modes_entered_on_this_thread():
     with Marker() as marker:
         assert _compat.active_torch_function_modes()[-1] is marker
     assert marker not in _compat.active_torch_function_modes()
+
+
+def test_custom_function_backward_node_class_runs_the_backward_through_apply():
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[override]
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            return grad * 2
+
+    node_class = _compat.custom_function_backward_class()
+    node = Double.apply(torch.ones(2, requires_grad=True)).grad_fn
+    assert isinstance(node, node_class) and callable(node_class.__dict__["apply"])
+    assert node._forward_cls is Double
+    assert torch.equal(node_class.__dict__["apply"](node, torch.ones(2)), torch.full((2,), 2.0))

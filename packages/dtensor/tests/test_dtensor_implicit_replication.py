@@ -138,3 +138,51 @@ def test_scopes_nest_and_are_restored_after_an_exception():
 def test_scope_of_a_non_module_is_a_typed_error_naming_the_fix():
     with pytest.raises(ImplicitReplicationError, match=r"expects an nn\.Module, got function"):
         implicit_replication_scope(lambda hidden: hidden)
+
+
+class SortByKey(torch.autograd.Function):
+    """Reformer's pattern: the forward gathers by indices it keeps on ``ctx`` as a plain tensor,
+    and the backward gathers the gradient back with them, outside every module's forward."""
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.order = order
+        return torch.gather(values, 1, order.argsort(dim=1))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return torch.gather(grad, 1, ctx.order), None
+
+
+class SortedProjection(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1.0, 1.0, 16).view(4, 4))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        projected = hidden @ self.weight
+        order = torch.arange(projected.shape[1]).flip(0).expand(projected.shape[0], -1).contiguous()
+        return SortByKey.apply(projected, order.unsqueeze(-1).expand(*projected.shape).contiguous())
+
+
+def custom_function_backward_on_ranks():
+    mesh = _mesh()
+    module = SortedProjection()
+    module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Replicate()]))
+    handle = implicit_replication_scope(module)
+    hidden = distribute_tensor(_input(), mesh, [Replicate()])
+    out = module(hidden)
+    (out * out).sum().backward()
+    handle.remove()
+    return {"out": out.full_tensor(), "weight_grad": module.weight.grad.full_tensor()}
+
+
+def test_a_custom_function_backward_in_scope_sees_plain_tensors_as_replicate():
+    # Without it: "aten.gather.default got mixed torch.Tensor and DTensor" in the backward.
+    reference = SortedProjection()
+    expected = reference(_input())
+    (expected * expected).sum().backward()
+    result = run_on_ranks(custom_function_backward_on_ranks, 2)[0]
+    assert torch.equal(result["out"], expected.detach())
+    grad_error = (result["weight_grad"] - reference.weight.grad).abs().max()
+    assert grad_error <= 1e-6 * reference.weight.grad.abs().max()

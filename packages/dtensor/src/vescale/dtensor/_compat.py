@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -26,6 +25,7 @@ from vescale.dtensor._placement_moves import (
     leaves_a_batch_dim,
     moves_an_unchanged_replicate_dim,
     one_dim_among_replicate_ones,
+    through_replicate,
 )
 
 if TYPE_CHECKING:
@@ -281,6 +281,11 @@ def current_autograd_node() -> Any:
     return _private_attribute("torch._C", "_current_autograd_node", None)()
 
 
+def custom_function_backward_class() -> type:
+    """``BackwardCFunction``: the node class whose ``apply(*grads)`` runs a custom Function's backward."""
+    return _private_class("torch.autograd.function", "BackwardCFunction")
+
+
 # --- placements and redistribution (vescale.dtensor.placements, .redistribute) ------------
 # InterleavedShard: a DTensor stores veScale's InterleavedShard(dim, k) as PyTorch's private
 # _StridedShard(dim, split_factor=k), whose layout on one mesh dim (cut the dim into k parts,
@@ -470,6 +475,7 @@ __all__ += [
     "FUNCTIONAL_COLLECTIVE_NAMESPACE",
     "active_torch_function_modes",
     "current_autograd_node",
+    "custom_function_backward_class",
     "dtensor_implicit_replication_enabled",
     "dtensor_op_strategy",
     "dtensor_strategy_registries",
@@ -592,7 +598,8 @@ def install_strided_shard_greedy_redistribution() -> None:
             if STRIDED_SHARD_UNDECODABLE_ERROR not in str(error):
                 raise
             planner = get_planner(src_spec.device_mesh, src_spec.tensor_meta)
-            return _through_replicate(planner.generate_greedy_transform_infos(src_spec, dst_spec))
+            greedy = planner.generate_greedy_transform_infos(src_spec, dst_spec)
+            return through_replicate(greedy, strided_shard_type())
 
     plan_with_greedy_fallback.vescale_greedy_fallback = True  # type: ignore[attr-defined]
     keeps_replicate_dims = getattr(plan, "vescale_keeps_replicate_dims", False)
@@ -635,7 +642,7 @@ def install_replicate_dims_guard() -> None:
                 return transform_infos
         planner = get_planner(src_spec.device_mesh, src_spec.tensor_meta)
         greedy = planner.generate_greedy_transform_infos(src_spec, dst_spec)
-        return _through_replicate(greedy) if torch_version() < (2, 13) else greedy
+        return through_replicate(greedy, strided_shard_type()) if torch_version() < (2, 13) else greedy
 
     plan_keeping_replicate_dims.vescale_keeps_replicate_dims = True  # type: ignore[attr-defined]
     # The two wrappers may wrap each other in either order: each carries the other's mark.
@@ -685,25 +692,6 @@ def install_batch_dims_strategy_guard() -> None:
     select_keeping_batch_dims.vescale_keeps_batch_dims = True  # type: ignore[attr-defined]
     setattr(module, _SELECT_ATTRIBUTE, select_keeping_batch_dims)
     clear_dtensor_sharding_caches()
-
-
-def _through_replicate(transform_infos: list[Any]) -> list[Any]:
-    """The steps, with each move 2.11 cannot make in one step (``_StridedShard`` to or from
-    ``Shard``, ``Partial`` to ``_StridedShard``) made in two, through ``Replicate``."""
-    strided_shard = strided_shard_type()
-    placement_types = importlib.import_module("torch.distributed.tensor.placement_types")
-    steps = []
-    for info in transform_infos:
-        current, target = info.src_dst_placements
-        to_strided = isinstance(target, strided_shard) and not isinstance(current, strided_shard)
-        strided_to_shard = isinstance(current, strided_shard) and type(target) is placement_types.Shard
-        if (to_strided and not current.is_replicate()) or strided_to_shard:
-            replicate = placement_types.Replicate()
-            steps.append(dataclasses.replace(info, src_dst_placements=(current, replicate)))
-            steps.append(dataclasses.replace(info, src_dst_placements=(replicate, target)))
-        else:
-            steps.append(info)
-    return steps
 
 
 def _install_scalar_shape_adjusters(propagator: Any) -> None:

@@ -13,7 +13,10 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+from torch.distributed.tensor import Replicate, Shard
 
 __all__ = [
     "BATCH_MESH_DIMS",
@@ -21,6 +24,7 @@ __all__ = [
     "leaves_a_batch_dim",
     "moves_an_unchanged_replicate_dim",
     "one_dim_among_replicate_ones",
+    "through_replicate",
 ]
 
 BATCH_MESH_DIMS = ("dp", "ep", "pp")
@@ -75,3 +79,22 @@ def keeps_dims_replicate(op_spec: Any, dims: list[int]) -> bool:
     outputs = op_spec.output_specs
     specs = [*(op_spec.input_specs or ()), *(outputs if isinstance(outputs, tuple) else (outputs,))]
     return all(spec is None or spec.placements[dim].is_replicate() for spec in specs for dim in dims)
+
+
+def through_replicate(transform_infos: list[Any], strided_shard: type) -> list[Any]:
+    """The steps, with each move torch 2.11 cannot make in one step (``_StridedShard`` to or from
+    ``Shard``, ``Partial`` to ``_StridedShard``) made in two, through ``Replicate``.
+
+    ``strided_shard`` is torch's private ``_StridedShard`` class (``_compat.strided_shard_type()``).
+    """
+    steps = []
+    for info in transform_infos:
+        current, target = info.src_dst_placements
+        to_strided = isinstance(target, strided_shard) and not isinstance(current, strided_shard)
+        strided_to_shard = isinstance(current, strided_shard) and type(target) is Shard
+        if (to_strided and not current.is_replicate()) or strided_to_shard:
+            steps.append(dataclasses.replace(info, src_dst_placements=(current, Replicate())))
+            steps.append(dataclasses.replace(info, src_dst_placements=(Replicate(), target)))
+        else:
+            steps.append(info)
+    return steps

@@ -25,6 +25,12 @@ module's own forward has exited and under the thread state of ``backward()``: th
 submodules (its attention, its MLP) then enter the scope themselves, so a rotary table
 saved as a plain tensor is Replicate in the recomputation as it was in the forward.
 
+A custom ``torch.autograd.Function`` in model code runs its ``backward`` outside every module
+(Reformer sorts its attention by bucket in one, keeping the plain sort indices on ``ctx``): once
+a scope exists, such a backward that receives DTensor gradients runs under the same mode, so
+the indices are Replicate there as they were in its forward. torch's own Functions (DTensor's,
+FSDP's, checkpointing's) are left as they are.
+
 Example::
 
     handle = implicit_replication_scope(model)
@@ -151,7 +157,7 @@ class ImplicitReplicationHandle:
             return
         # The thread's mode stack, not self._active, says whether a scope is on: in backward the
         # autograd engine has reset the stack while this module's forward may still be running.
-        if any(isinstance(mode, ReplicatePlainTensorsMode) for mode in _compat.active_torch_function_modes()):
+        if _in_replication_mode():
             self._active.append(None)
             return
         mode = ReplicatePlainTensorsMode()
@@ -166,6 +172,34 @@ class ImplicitReplicationHandle:
         mode, saved_setting = entry
         mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         _compat.set_dtensor_implicit_replication(saved_setting)
+
+
+def _in_replication_mode() -> bool:
+    return any(isinstance(mode, ReplicatePlainTensorsMode) for mode in _compat.active_torch_function_modes())
+
+
+def _install_custom_backward_scope() -> None:
+    """Run model code's custom autograd Functions' backward with DTensor gradients in the mode
+    (idempotent, process-wide; see the module docstring)."""
+    node_class = _compat.custom_function_backward_class()
+    original = node_class.__dict__["apply"]
+    if getattr(original, "vescale_replicates_plain_tensors", False):
+        return
+
+    def apply(node: Any, *grads: Any) -> Any:
+        forward_module = getattr(getattr(node, "_forward_cls", None), "__module__", "") or ""
+        if forward_module.startswith("torch.") or _first_dtensor(grads) is None or _in_replication_mode():
+            return original(node, *grads)
+        saved_setting = _compat.dtensor_implicit_replication_enabled()
+        _compat.set_dtensor_implicit_replication(True)
+        try:
+            with ReplicatePlainTensorsMode():
+                return original(node, *grads)
+        finally:
+            _compat.set_dtensor_implicit_replication(saved_setting)
+
+    apply.vescale_replicates_plain_tensors = True  # type: ignore[attr-defined]
+    node_class.apply = apply  # type: ignore[attr-defined]
 
 
 def implicit_replication_scope(module: nn.Module) -> ImplicitReplicationHandle:
@@ -186,4 +220,5 @@ def implicit_replication_scope(module: nn.Module) -> ImplicitReplicationHandle:
             f"implicit_replication_scope expects an nn.Module, got {type(module).__name__}; "
             "pass the parallelized module whose forward creates plain tensors."
         )
+    _install_custom_backward_scope()
     return ImplicitReplicationHandle(module)

@@ -40,3 +40,32 @@ def test_real_operands_run_the_kernel_unchanged():
     with GroupedMatmulShapes():
         out = torch._grouped_mm(tokens, experts, offs=offsets)
     assert torch.equal(out, torch._grouped_mm(tokens, experts, offs=offsets))
+
+
+def fake_tokens_through_real_expert_dtensors_on_rank() -> tuple[tuple[int, ...], str]:
+    from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
+
+    import vescale.dtensor.ops  # noqa: F401  # the grouped_mm handler
+
+    mesh = init_device_mesh("cpu", (1,))
+    tokens, experts, offsets = _operands()
+    # The experts: a real parameter, already where the handler wants it (Replicate on one rank).
+    weight = torch.nn.Parameter(DTensor.from_local(experts, mesh, [Replicate()]))
+    with (
+        torch.no_grad(),
+        _compat.fake_tensor_mode_class()(allow_non_fake_inputs=True) as fake_mode,
+        GroupedMatmulShapes(),
+    ):
+        fake_tokens = DTensor.from_local(fake_mode.from_tensor(tokens), mesh, [Replicate()])
+        out = torch._grouped_mm(fake_tokens, weight, offs=offsets)
+    return tuple(out.shape), type(out.to_local()).__name__
+
+
+def test_fake_tokens_meet_real_expert_dtensors_without_moving_them():
+    # A shapes-only pass over a tensor-parallel MoE (dpipe's split of GPT-OSS, Aria): moving the
+    # weight to where it already is ran DTensor's Redistribute, whose in-place detach of the real
+    # parameter's local tensor the fake mode refused.
+    from vescale.dtensor.testing import run_on_ranks
+
+    shape, local_type = run_on_ranks(fake_tokens_through_real_expert_dtensors_on_rank, 1)[0]
+    assert shape == (TOKENS, OUT) and local_type == "FakeTensor"

@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +163,19 @@ def _aligned(local: torch.Tensor) -> torch.Tensor:
     return padded[..., :columns]
 
 
+def _placed(tensor: DTensor, placements: Sequence[Placement]) -> DTensor:
+    """``tensor`` on ``placements``; itself where it already is (the expert weights, as a rule).
+
+    A no-op ``redistribute`` is still an autograd Function returning its input's local tensor,
+    which autograd then detaches in place: in a shapes-only pass (dpipe's split of a
+    tensor-parallel GPT-OSS or Aria) that local tensor is a real parameter and the fake mode
+    refuses the in-place ``detach_``.
+    """
+    if tuple(tensor.placements) == tuple(placements):
+        return tensor
+    return tensor.redistribute(tensor.device_mesh, placements)
+
+
 def grouped_mm_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     """DTensor handler of ``aten._grouped_mm.default`` (see the module docstring).
 
@@ -188,8 +202,8 @@ def grouped_mm_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, An
         return dispatch_previous(op_call, args, kwargs)
     mesh = mat_a.device_mesh
     plan_a, plan_b, plan_out = _plan(layout, mat_a, mat_b)
-    local_a = _aligned(mat_a.redistribute(mesh, plan_a).to_local())
-    local_b = _aligned(mat_b.redistribute(mesh, plan_b).to_local())
+    local_a = _aligned(_placed(mat_a, plan_a).to_local())
+    local_b = _aligned(_placed(mat_b, plan_b).to_local())
     local_offs = _to_replicated_local(offs)
     if holds_no_data(local_a) or holds_no_data(local_b):
         # A structure analysis (fake or meta tensors): the meta function would reject float32.

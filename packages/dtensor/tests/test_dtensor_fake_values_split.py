@@ -40,3 +40,21 @@ def test_real_tensors_are_split_as_asked():
         assert torch.zeros(4).sum().item() == 0
         with pytest.raises(RuntimeError, match="split_with_sizes"):
             torch.zeros(10, 3).split([1, 1], dim=0)
+
+
+def split_of_a_fake_dtensor_on_rank() -> list[int]:
+    from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+    with _compat.fake_tensor_mode_class()() as fake, FakeValuePolicy():
+        tokens = DTensor.from_local(fake.from_tensor(torch.zeros(10, 3)), mesh, [Replicate()])
+        counts = fake.from_tensor(_routed(10, 4)).tolist()
+        pieces = tokens.split(counts, dim=0)
+    return [piece.shape[0] for piece in pieces]
+
+
+def test_a_tensor_parallel_models_split_by_read_counts_splits_evenly_too():
+    # JetMoE under pp2 x tp2: dpipe's pass runs on DTensors whose local tensors are fake.
+    from vescale.dtensor.testing import run_on_ranks
+
+    assert run_on_ranks(split_of_a_fake_dtensor_on_rank, 1)[0] == [3, 3, 2, 2]

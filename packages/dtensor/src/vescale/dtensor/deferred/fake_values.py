@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from vescale.dtensor import _compat
 
@@ -87,6 +88,9 @@ def _without_data(args: tuple[Any, ...]) -> bool:
 
 
 def _is_shapes_only(tensor: Any) -> bool:
+    """A meta or fake tensor, or a DTensor whose local tensor is one (a tensor-parallel model's pass)."""
+    if isinstance(tensor, DTensor):
+        return _is_shapes_only(tensor._local_tensor)
     fake = _compat.fake_tensor_class()
     return isinstance(tensor, torch.Tensor) and (tensor.is_meta or isinstance(tensor, fake))
 

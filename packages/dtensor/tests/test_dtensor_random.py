@@ -198,3 +198,16 @@ def test_slice_models_measured_on_this_build_match_the_mt19937_facts():
         1,
         16,
     )
+
+
+def test_slice_model_first_measured_inside_a_fake_pass_is_the_real_one(monkeypatch):
+    # dpipe's split runs a tensor-parallel model's dropout under FakeTensorMode, and that
+    # may be the process's first draw of the op: the measurement must still run for real.
+    from vescale.dtensor import _compat, _random_strategy
+
+    monkeypatch.setattr(_random_strategy, "_slice_models", {})
+    call = RandomCall(aten.bernoulli_.float, "fill", (0.5,), {}, None)
+    with _compat.fake_tensor_mode_class()():
+        inside = slice_model(call, torch.float32)
+    monkeypatch.setattr(_random_strategy, "_slice_models", {})
+    assert inside == slice_model(call, torch.float32) is not None

@@ -37,6 +37,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from vescale.dtensor import _compat
 from vescale.dtensor.errors import DTensorError
 
 __all__ = ["RandomCall", "RandomOpError", "cut_local_shard", "draw_local", "local_box", "slice_model"]
@@ -206,7 +207,11 @@ def slice_model(call: RandomCall, dtype: torch.dtype) -> tuple[int, int] | None:
     """
     key = call.calibration_key(dtype)
     if key not in _slice_models:
-        _slice_models[key] = _measure_slice_model(call, dtype)
+        # The probe runs on real tensors even when the first such op comes in a fake pass
+        # (dpipe's split of a tensor-parallel model): a fake mode would refuse its
+        # torch.equal, and its draws would not move the generator it measures.
+        with _compat.disable_dispatch_modes():
+            _slice_models[key] = _measure_slice_model(call, dtype)
     return _slice_models[key]
 
 

@@ -5,7 +5,9 @@ reduce-scatters). Stage 3 shards the parameters over the dp mesh dim with PyTorc
 ``fully_shard``, one unit per element of every ``nn.ModuleList`` (the transformer blocks of
 a ``transformers`` model; blocks that share parameters are one unit) plus the root;
 parameters that are already DTensors on a dp×tp mesh (``vescale.dmodule``) are sharded in
-place on that mesh (``DataParallelMeshDims``).
+place on that mesh (``DataParallelMeshDims``). A unit's inner modules called outside its
+forward (a reversible layer's backward recomputation) gather its parameters first
+(:mod:`~vescale.doptim.unit_reentry`).
 FSDP2 works on CPU/gloo in torch 2.13 (its reduce-scatter included). ``deterministic=True``
 swaps FSDP2's reduce-scatter for :class:`~vescale.doptim.reduction.RankOrderedReduceScatter`
 (each gradient element summed in rank order, as under stages 0-2). ``compute_dtype=torch.bfloat16``
@@ -38,6 +40,7 @@ from vescale.doptim.ddp import DATA_PARALLEL_ATTRIBUTE, DDP, data_parallel_of, d
 from vescale.doptim.errors import DataParallelConfigError, DataParallelMeshError
 from vescale.doptim.mesh_groups import mesh_dim_names, mesh_dims_group
 from vescale.doptim.reduction import RankOrderedReduceScatter
+from vescale.doptim.unit_reentry import gather_on_reentry
 
 __all__ = ["ZERO_STAGES", "FullyShardedState", "data_parallel"]
 
@@ -217,6 +220,7 @@ def _apply_zero3_over_dims(
         )
         if deterministic:
             _use_rank_ordered_reduce_scatter(sharded_block)
+    gather_on_reentry(model)
 
 
 def _apply_zero3(
@@ -263,6 +267,7 @@ def _apply_zero3(
             sharded_unit = fully_shard(unit, mesh=device_mesh[mesh_dim], mp_policy=mp_policy)
         if deterministic:
             _use_rank_ordered_reduce_scatter(sharded_unit)
+    gather_on_reentry(model)
     state = FullyShardedState(model, device_mesh, mesh_dim, deterministic, compute_dtype)
     setattr(model, DATA_PARALLEL_ATTRIBUTE, state)
     for param in model.parameters():

@@ -1,0 +1,82 @@
+"""A ZeRO-3 unit's inner modules, called outside the unit's forward, gather its parameters first.
+
+FSDP2 all-gathers a unit's parameters when the unit's forward starts, and before its backward
+from hooks on the forward's outputs. Some models call a unit's inner modules without the unit's
+forward: Reformer's reversible layers keep no activations and, in the backward of their
+autograd Function, recompute ``layer.attention(...)`` and ``layer.feed_forward(...)`` directly
+(the forward ran under ``no_grad``, so no backward hook was registered either). Those calls met
+the dp shards of the parameters: "got mixed torch.Tensor and DTensor" under FSDP2 alone, a
+shape error on a dp x tp mesh.
+
+:func:`gather_on_reentry` gives every inner module that holds parameters a forward pre-hook:
+when the module's parameters are still the unit's shards, it unshards the unit (FSDP2's public
+``FSDPModule.unshard``). The gradients of such a recomputation accumulate on the gathered
+parameters, and FSDP2's end-of-backward callback runs the post-backward of every unit whose
+backward hooks did not fire: it reshards and reduce-scatters them, so each shard gets the
+gradient one device computes. Until then that unit's parameters stay gathered (ZeRO-2's
+memory for it, for the rest of that backward). In a unit's own forward and backward the
+parameters are gathered already and the hook does nothing.
+
+Example::
+
+    fully_shard(block); fully_shard(model)
+    gather_on_reentry(model)   # after every fully_shard: each unit's inner modules
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+__all__ = ["gather_on_reentry"]
+
+REENTRY_HOOKED = "_vescale_gather_on_reentry"
+
+
+def _inner_modules(unit: nn.Module) -> Iterator[nn.Module]:
+    """The modules below ``unit`` that no nested FSDP unit owns."""
+    for child in unit.children():
+        if isinstance(child, FSDPModule):
+            continue
+        yield child
+        yield from _inner_modules(child)
+
+
+class _GatherIfSharded:
+    """Forward pre-hook: unshard ``unit`` when the module still holds the unit's parameter shards."""
+
+    def __init__(self, unit: FSDPModule, shards: set[int]) -> None:
+        self.unit = unit
+        self.shards = shards
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        for param in module._parameters.values():
+            if param is not None:
+                if id(param) in self.shards:
+                    self.unit.unshard()
+                return
+
+
+def gather_on_reentry(model: nn.Module) -> None:
+    """Hook every FSDP unit's inner modules in ``model`` to gather the unit when called alone (idempotent).
+
+    Call it after the last ``fully_shard``: a unit's shards are its parameters at that moment.
+
+    Example::
+
+        gather_on_reentry(model)
+        model.blocks[0].attention(hidden)   # gathers blocks[0]'s parameters first
+    """
+    for unit in model.modules():
+        if not isinstance(unit, FSDPModule) or getattr(unit, REENTRY_HOOKED, False):
+            continue
+        inner = list(_inner_modules(unit))
+        shards = {id(param) for module in inner for param in module.parameters(recurse=False)}
+        for module in inner:
+            if any(True for _ in module.parameters(recurse=False)):
+                # Before any other pre-hook (a tensor-parallel module's input layout may read them).
+                module.register_forward_pre_hook(_GatherIfSharded(unit, shards), prepend=True)
+        setattr(unit, REENTRY_HOOKED, True)

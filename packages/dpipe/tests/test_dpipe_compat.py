@@ -73,3 +73,14 @@ def _log_sigmoid_under_fake_mode() -> tuple[str, str]:
             except NotImplementedError as error:
                 outcomes.append(type(error).__name__)
     return outcomes[0], outcomes[1]
+
+
+def test_pipeline_stage_metadata_inference_hook_exists_where_torch_builds_tensors_from_metadata():
+    # torch 2.13 materialises a later stage's inference inputs in PipelineStage._to_tensor; when
+    # that method goes away, pipeline_stage_class must follow PyTorch's new place for it.
+    from torch.distributed.pipelining import PipelineStage
+
+    stage_class = _compat.pipeline_stage_class()
+    assert issubclass(stage_class, PipelineStage)
+    if _compat.torch_version() >= (2, 13):
+        assert stage_class is not PipelineStage and "_to_tensor" in stage_class.__dict__

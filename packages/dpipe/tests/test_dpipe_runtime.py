@@ -179,3 +179,27 @@ def test_model_class_is_untouched_and_each_rank_keeps_only_its_parameters_under_
     assert first_stage | last_stage == {fqn for fqn, _ in whole_model.named_parameters()}
     first_keys, last_keys = (set(keys) for _, _, _, keys, _ in rank_results)
     assert first_keys | last_keys == set(whole_model.state_dict())
+
+
+def _first_inputs_seen_by_stage_one() -> float | None:
+    pipe = _pipeline()
+    seen: list[torch.Tensor] = []
+
+    def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        seen.append(hidden.detach().clone())
+
+    if pipe.stage_indices == [1]:
+        # Layers of the other stage hold no parameters on this rank.
+        held = [layer for layer in pipe.module.model.layers if any(True for _ in layer.parameters())]
+        held[0].register_forward_pre_hook(record, with_kwargs=True)
+    pipe(**_batch())
+    return float(seen[0].abs().sum()) if seen else None
+
+
+def test_metadata_inference_of_a_later_stage_runs_on_zeros():
+    # PyTorch's first step runs a later stage once on tensors made from the received metadata
+    # (torch.empty); the ranks of a tensor-parallel stage must take the same data-dependent
+    # branches there (JetMoE's per-expert counts hung gloo under pp2 x tp2), so they are zeros.
+    results = run_on_ranks(_first_inputs_seen_by_stage_one, 2, timeout_s=60)
+    assert results == [None, 0.0]

@@ -10,6 +10,10 @@ A tensor-parallel model's fake pass also runs DTensor's own bookkeeping (a ``_St
 offsets, the strategy of an op found through its decomposition), which builds tensors that the
 fake mode must not capture: :func:`dtensor_bookkeeping_outside_fake_mode` runs it outside.
 
+PyTorch's ``PipelineStage`` learns a later stage's input shapes on its first step by running
+the stage on tensors made from metadata, uninitialised: :func:`pipeline_stage_class` fills them
+with zeros, so the ranks of a tensor-parallel stage take the same data-dependent branches there.
+
 Example::
 
     from vescale.dpipe import _compat
@@ -20,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -33,6 +38,7 @@ __all__ = [
     "PrivateTorchAPIError",
     "dtensor_bookkeeping_outside_fake_mode",
     "fake_tensor_mode",
+    "pipeline_stage_class",
 ]
 
 MIN_TORCH = (2, 11)
@@ -141,3 +147,48 @@ def dtensor_bookkeeping_outside_fake_mode() -> Iterator[None]:
     finally:
         for owner, original, method, _ in found:
             setattr(owner, method, original)
+
+
+@functools.cache
+def pipeline_stage_class() -> type:
+    """``PipelineStage``, whose first-step metadata inference runs on zeros instead of uninitialised memory.
+
+    From torch 2.13 a stage after the first runs its forward (and backward) once on tensors
+    built from the received metadata with ``torch.empty`` (``_PipelineStageBase._to_tensor``)
+    to learn its output shapes. Each rank's garbage differs; where the stage routes tokens by
+    value (a mixture-of-experts layer's per-expert counts, read with ``tolist()``) the ranks of
+    a tensor-parallel stage then split differently and enter their collectives with different
+    sizes: gloo hangs or aborts (JetMoE under pp2 x tp2). Zeros are the same on every rank.
+    Earlier releases infer shapes on meta tensors and have no ``_to_tensor``: the class is
+    PyTorch's own there.
+
+    Example::
+
+        stage = _compat.pipeline_stage_class()(module, stage_index, num_stages, device, group=pp_group)
+    """
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.tensor import DTensor
+
+    original = getattr(PipelineStage, "_to_tensor", None)
+    if original is None:
+        if torch_version() >= (2, 13):
+            raise _missing("torch.distributed.pipelining.PipelineStage._to_tensor")
+        return PipelineStage
+    to_tensor: Any = original  # a closure mypy does not narrow
+
+    class ZeroFilledInferenceStage(PipelineStage):
+        def _to_tensor(self, arg: Any) -> torch.Tensor:
+            tensor: torch.Tensor = to_tensor(self, arg)
+            if not isinstance(arg, torch.Tensor):  # metadata, made into an uninitialised tensor
+                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                with torch.no_grad():
+                    local.zero_()
+            return tensor
+
+    return ZeroFilledInferenceStage
+
+
+def torch_version() -> tuple[int, int]:
+    """``(major, minor)`` of the installed torch."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)

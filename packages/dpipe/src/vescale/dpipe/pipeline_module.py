@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
 
 from vescale.dmodule.experts import carry_router_statistics
+from vescale.dpipe import _compat
 from vescale.dpipe.activation_meter import ActivationMeter
 from vescale.dpipe.errors import MicrobatchError, PipelinePlanError
 from vescale.dpipe.finished_loss import loss_with_backward_done
@@ -180,8 +180,9 @@ class PipelineModule(ModuleWrapper):
             tuple((name, tuple(getattr(value, "shape", ()))) for name, value in batch.items()),
         )
         if key not in self._schedules:
+            stage_class = _compat.pipeline_stage_class()
             stages = [
-                PipelineStage(
+                stage_class(
                     module, module.stage_index, self.plan.num_stages, self.device, group=self.pp_group
                 )
                 for module in self._stage_modules

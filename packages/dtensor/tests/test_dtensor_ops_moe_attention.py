@@ -96,21 +96,28 @@ def routing_arithmetic_on_ranks():
     grads = distribute_tensor(torch.arange(16.0 * 4).view(16, 4), mesh, [Shard(0)])
     # 16 tokens on 4 ranks cannot become (2, 8) tokens and stay sharded on the first dim.
     unflattened = grads.view(2, 8, 4)
+    # A size-1 dim sharded over 4 ranks (XLNet's batch of one, seq-first, under sequence
+    # parallelism) cannot be viewed away and stay sharded: PyTorch's strict view refused it.
+    single = distribute_tensor(torch.arange(8.0 * 4).view(8, 1, 4), mesh, [Shard(1)])
+    squeezed = single.view(1, 8, 4)
     return (
         token_index.placements,
         token_index.full_tensor(),
         by_tensor.full_tensor(),
         unflattened.full_tensor(),
+        squeezed.full_tensor(),
     )
 
 
 def test_floor_divide_keeps_sharding_and_uneven_view_redistributes_instead_of_raising():
-    placements, token_index, by_tensor, unflattened = run_on_ranks(routing_arithmetic_on_ranks, 4)[0]
+    results = run_on_ranks(routing_arithmetic_on_ranks, 4)[0]
+    placements, token_index, by_tensor, unflattened, squeezed = results
     slots = torch.arange(16).flip(0)
     assert placements == (Shard(0),)
     assert torch.equal(token_index, slots // 2)
     assert torch.equal(by_tensor, slots // 2)
     assert torch.equal(unflattened, torch.arange(16.0 * 4).view(2, 8, 4))
+    assert torch.equal(squeezed, torch.arange(8.0 * 4).view(1, 8, 4))
 
 
 def _attention_inputs(key_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -2,7 +2,8 @@
 
 PyTorch marks its view strategies strict: when a view splits a sharded dim into parts that
 do not divide by the mesh (a ``Shard(0)`` over 16 tokens viewed as ``(2, 8)`` on 4 ranks),
-it raises "Cannot unflatten unevenly sharded tensor", where its copying twin's strategy
+it raises "Cannot unflatten unevenly sharded tensor" (and, for a view that drops a sharded
+size-1 dim, "would remove or reshape sharded dimension"), where its copying twin's strategy
 (``view_copy``) redistributes that mesh dim to Replicate first. Autograd and
 ``transformers`` emit such views where a user cannot step in (the backward of
 ``x.view(-1, hidden)`` in an MoE block, ``_unsafe_view`` from a reshape), so for this one
@@ -44,10 +45,13 @@ __all__ = [
 aten = torch.ops.aten
 
 # The starts of the errors PyTorch's strict view strategies raise where the copying strategy
-# redistributes instead: an uneven unflatten (2.13); a split into sizes the mesh does not
-# divide, and a flatten of dims after a sharded one (2.11).
+# redistributes instead: an uneven unflatten, and a view that drops a sharded dim (a size-1
+# dim sharded over the mesh: XLNet's batch of one, seq-first, under sequence parallelism)
+# (2.13); a split into sizes the mesh does not divide, and a flatten of dims after a sharded
+# one (2.11).
 REDISTRIBUTING_VIEW_ERRORS = (
     "Cannot unflatten unevenly sharded tensor",
+    "This operation would remove or reshape sharded dimension",
     "into multiple subdimensions",
     "Attempted to flatten multiple dimensions",
 )

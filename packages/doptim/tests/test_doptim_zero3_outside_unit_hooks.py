@@ -66,8 +66,11 @@ class _Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Linear(WIDTH, WIDTH)
-        self.blocks = nn.ModuleList([_IgnoresSecond(), _UsesBoth()])
+        self.blocks = self.make_blocks()
         self.head = nn.Linear(WIDTH, 1)
+
+    def make_blocks(self) -> nn.ModuleList:
+        return nn.ModuleList([_IgnoresSecond(), _UsesBoth()])
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(inputs)
@@ -160,12 +163,9 @@ class _RecomputedBlocks(torch.autograd.Function):
         return start.grad, None
 
 
-class _RecomputedNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(WIDTH, WIDTH)
-        self.blocks = nn.ModuleList([_Block(), _Block()])
-        self.head = nn.Linear(WIDTH, 1)
+class _RecomputedNet(_Net):
+    def make_blocks(self) -> nn.ModuleList:
+        return nn.ModuleList([_Block(), _Block()])
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.head(_RecomputedBlocks.apply(self.embed(inputs), self.blocks))

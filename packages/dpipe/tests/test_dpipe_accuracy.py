@@ -20,10 +20,8 @@ import pytest
 from vescale.dpipe.testing import (
     LOSS_RTOL,
     SCHEDULES,
-    pipeline_first_step_gradients,
-    pipeline_training_losses_per_schedule,
+    pipeline_losses_and_gradients_per_schedule,
     reference_training_run,
-    schedule_plan,
 )
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.reference import assert_matches_reference
@@ -35,23 +33,15 @@ from vescale.dtensor.testing.reference import assert_matches_reference
 GRAD_RTOL = 1e-5
 
 
-def losses_and_gradients_per_schedule(model_name: str, pp_size: int) -> dict[str, tuple]:
-    losses = pipeline_training_losses_per_schedule(model_name, {"pp": pp_size}, SCHEDULES)
-    return {
-        schedule: (
-            losses[schedule],
-            pipeline_first_step_gradients(model_name, {"pp": pp_size}, schedule_plan(schedule, pp_size)),
-        )
-        for schedule in SCHEDULES
-    }
-
-
 @pytest.mark.parametrize("pp_size", [2, 4])
 @pytest.mark.parametrize("model_name", ["llama", "gpt2"])
 def test_pipeline_matches_single_device_training_for_every_schedule(model_name: str, pp_size: int):
     reference = reference_training_run(model_name)
     results = run_on_ranks(
-        losses_and_gradients_per_schedule, world_size=pp_size, args=(model_name, pp_size), timeout_s=400
+        pipeline_losses_and_gradients_per_schedule,
+        world_size=pp_size,
+        args=(model_name, {"pp": pp_size}, SCHEDULES),
+        timeout_s=400,
     )
     for schedule in SCHEDULES:
         losses, gradients = zip(*(per_schedule[schedule] for per_schedule in results), strict=True)

@@ -24,7 +24,6 @@ Example::
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -49,6 +48,7 @@ __all__ = [
     "build_model",
     "max_relative_error",
     "pipeline_first_step_gradients",
+    "pipeline_losses_and_gradients_per_schedule",
     "pipeline_training_losses",
     "pipeline_training_losses_per_schedule",
     "reference_training_losses",
@@ -204,7 +204,9 @@ def _parallelize(
 
         # TP first: every parameter becomes a DTensor on the full mesh, then dpipe keeps this pp
         # rank's stages and drops the others' parameters.
-        vescale.dmodule.parallelize_module(model, mesh, _tensor_parallel_plan(model), mesh_dim="tp")
+        # The automatic plan, as a user runs it: it keeps GPT-2's tied embedding and head together.
+        plan = vescale.dmodule.auto_sharding_plan(model)
+        vescale.dmodule.parallelize_module(model, mesh, plan, mesh_dim="tp")
     pipe = pipeline_parallelize(model, mesh, PipelinePlan.from_dict(plan_dict))
     if "dp" not in mesh_dims:
         return _ParallelRun(model, pipe, optimizer_fn(pipe.parameters()), mesh, 1, 0)
@@ -258,32 +260,6 @@ def pipeline_first_step_gradients(
     return sgd_step_gradients(before, full_parameters(run.model), SGD_LR)
 
 
-def _tensor_parallel_plan(model: nn.Module) -> dict[str, Any]:
-    """dmodule's automatic plan, with the input embedding of a tied model given its head's placement.
-
-    On a tied GPT-2 the automatic plan sees the shared table once, under ``lm_head.weight``
-    (vocabulary-sharded ``S(0)``), and leaves ``transformer.wte.weight`` out, which
-    ``parallelize_module`` rejects (one tied tensor, two placements). Naming the embedding
-    with the same placement, and its output Replicate, is the plan a user would write.
-    """
-    import vescale.dmodule
-
-    plan = vescale.dmodule.auto_sharding_plan(model).to_dict()
-    hf_model: Any = model  # a transformers model; nn.Module's __getattr__ hides its methods' types
-    input_embedding, output_embedding = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
-    if output_embedding is not None and input_embedding.weight is output_embedding.weight:
-        names = {module: fqn for fqn, module in model.named_modules()}
-        head_placement = next(
-            placement
-            for pattern, placement in plan["parameter"].items()
-            if pattern.startswith(re.escape(names[output_embedding]))
-        )
-        embedding_fqn = names[input_embedding]
-        plan["parameter"][re.escape(embedding_fqn) + r"\.weight"] = head_placement
-        plan["forward"][re.escape(embedding_fqn) + ".output"] = ["R"]
-    return plan
-
-
 def pipeline_training_losses_per_schedule(
     model_name: str, mesh_dims: dict[str, int], schedules: tuple[str, ...]
 ) -> dict[str, list[float]]:
@@ -307,3 +283,23 @@ def max_relative_error(losses: list[float], reference: list[float]) -> float:
         assert max_relative_error([1.0, 2.0], [1.0, 2.0]) == 0.0
     """
     return max(abs(loss - expected) / abs(expected) for loss, expected in zip(losses, reference, strict=True))
+
+
+def pipeline_losses_and_gradients_per_schedule(
+    model_name: str, mesh_dims: dict[str, int], schedules: tuple[str, ...]
+) -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
+    """Per schedule, :func:`pipeline_training_losses` and :func:`pipeline_first_step_gradients`.
+
+    Example::
+
+        dims = {"pp": 2, "tp": 2}
+        runs = run_on_ranks(pipeline_losses_and_gradients_per_schedule, 4, args=("gpt2", dims, SCHEDULES))
+    """
+    losses = pipeline_training_losses_per_schedule(model_name, mesh_dims, schedules)
+    return {
+        schedule: (
+            losses[schedule],
+            pipeline_first_step_gradients(model_name, mesh_dims, schedule_plan(schedule, mesh_dims["pp"])),
+        )
+        for schedule in schedules
+    }

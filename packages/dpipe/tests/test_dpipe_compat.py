@@ -84,3 +84,22 @@ def test_pipeline_stage_metadata_inference_hook_exists_where_torch_builds_tensor
     assert issubclass(stage_class, PipelineStage)
     if _compat.torch_version() >= (2, 13):
         assert stage_class is not PipelineStage and "_to_tensor" in stage_class.__dict__
+
+
+def test_bookkeeping_wrappers_are_restored_when_passes_overlap():
+    # Two fake passes (threads, or one nested in another) share the class attributes: the last
+    # one out, whichever it is, puts PyTorch's methods back.
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    original = _StridedShard.__dict__["local_shard_size_and_offset"]
+    first, second = (
+        _compat.dtensor_bookkeeping_outside_fake_mode(),
+        _compat.dtensor_bookkeeping_outside_fake_mode(),
+    )
+    first.__enter__()
+    second.__enter__()
+    assert _StridedShard.__dict__["local_shard_size_and_offset"] is not original
+    first.__exit__(None, None, None)
+    assert _StridedShard.__dict__["local_shard_size_and_offset"] is not original
+    second.__exit__(None, None, None)
+    assert _StridedShard.__dict__["local_shard_size_and_offset"] is original

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -84,6 +85,12 @@ _BOOKKEEPING_METHODS = (
 )
 
 
+_bookkeeping_lock = threading.Lock()
+# (owner class, method name, PyTorch's method) of the installed wrappers, and the passes inside.
+_bookkeeping_originals: list[tuple[type, str, Any]] = []
+_bookkeeping_users = [0]
+
+
 def _bookkeeping_method(module_name: str, class_name: str, method: str) -> tuple[type, Any]:
     what = f"{module_name}.{class_name}.{method}"
     try:
@@ -136,17 +143,24 @@ def dtensor_bookkeeping_outside_fake_mode() -> Iterator[None]:
             output = tensor_parallel_model(**fake_batch)
     """
     unset_fake = _unset_fake_temporarily()
-    found = [
-        (*_bookkeeping_method(module_name, class_name, method), method, integer_sizes_only)
-        for module_name, class_name, method, integer_sizes_only in _BOOKKEEPING_METHODS
-    ]
+    with _bookkeeping_lock:
+        # The methods are class attributes, shared by every thread: the first pass in installs
+        # the wrappers, the last one out restores PyTorch's methods (also when passes overlap).
+        if not _bookkeeping_originals:
+            for module_name, class_name, method, integer_sizes_only in _BOOKKEEPING_METHODS:
+                owner, original = _bookkeeping_method(module_name, class_name, method)
+                _bookkeeping_originals.append((owner, method, original))
+                setattr(owner, method, _outside_fake_mode(original, integer_sizes_only, unset_fake))
+        _bookkeeping_users[0] += 1
     try:
-        for owner, original, method, integer_sizes_only in found:
-            setattr(owner, method, _outside_fake_mode(original, integer_sizes_only, unset_fake))
         yield
     finally:
-        for owner, original, method, _ in found:
-            setattr(owner, method, original)
+        with _bookkeeping_lock:
+            _bookkeeping_users[0] -= 1
+            if not _bookkeeping_users[0]:
+                for owner, method, original in _bookkeeping_originals:
+                    setattr(owner, method, original)
+                _bookkeeping_originals.clear()
 
 
 @functools.cache

@@ -34,10 +34,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
 
+from vescale.dpipe import _compat
 from vescale.dpipe.errors import PipelineCutError
 from vescale.dpipe.split import StageLayout
 from vescale.dpipe.tracing import shapes_only_pass
@@ -52,8 +54,8 @@ class CarriedOutput:
     ``spec`` and ``constants`` rebuild the output (a tuple, a ``ModelOutput``) around the tensor
     leaves that travel: ``tensor_leaves`` are their positions among the flattened leaves, and
     ``dtensor_leaves`` those of them that were DTensors (a tensor-parallel model), which the
-    receiver wraps again; ``integer_leaves`` those that are not floating point (a later stage
-    cannot use them: see :func:`find_stage_inputs`).
+    receiver wraps again; ``integer_leaves`` those that are not floating point (they travel
+    only where PyTorch's shape inference runs on zeros: see :func:`find_stage_inputs`).
     """
 
     unit: str
@@ -241,6 +243,8 @@ def _needed_by_stage(
         for handle in handles:
             handle.remove()
     needed = set(sent[0]) if sent else set()
+    # Where dpipe's stages learn shapes on zeros (every valid index), an index travels too.
+    integers_travel = _compat.pipeline_stage_class() is not PipelineStage
     units = {mark for mark in needed if not mark.startswith(_INSIDE)}
     refusals = (
         (
@@ -250,11 +254,11 @@ def _needed_by_stage(
             "hidden state",
         ),
         (
-            sorted(unit for unit in units if outputs[unit].integer_leaves),
+            [] if integers_travel else sorted(unit for unit in units if outputs[unit].integer_leaves),
             "an integer tensor that {modules} returns on an earlier stage (e.g. top-k indices shared "
-            "between layers); PyTorch's pipeline stage learns shapes by running each stage once on "
+            "between layers); this torch's pipeline stage learns shapes by running each stage once on "
             "uninitialised tensors, which an index cannot survive, so only floating-point values "
-            "travel between stages",
+            "travel between stages (torch >= 2.13 lifts this)",
         ),
         (
             sorted(unit for unit in units if calls.get(unit, 0) > 1),

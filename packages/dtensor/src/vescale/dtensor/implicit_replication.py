@@ -40,6 +40,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -132,9 +134,9 @@ class ImplicitReplicationHandle:
     """
 
     def __init__(self, module: nn.Module) -> None:
-        # One entry per forward still running (modules nest and may be re-entered): the mode
-        # this forward entered and the flag it replaced, or None where an enclosing one had.
-        self._active: list[tuple[ReplicatePlainTensorsMode, bool] | None] = []
+        # One entry per forward still running (modules nest and may be re-entered): the scope
+        # this forward entered, or None where an enclosing one had.
+        self._active: list[contextlib.ExitStack | None] = []
         self._hook_handles = []
         for submodule in module.modules():
             self._hook_handles += [
@@ -160,22 +162,30 @@ class ImplicitReplicationHandle:
         if _in_replication_mode():
             self._active.append(None)
             return
-        mode = ReplicatePlainTensorsMode()
-        self._active.append((mode, _compat.dtensor_implicit_replication_enabled()))
-        _compat.set_dtensor_implicit_replication(True)
-        mode.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        scope = contextlib.ExitStack()
+        scope.enter_context(_replicating())
+        self._active.append(scope)
 
     def _exit_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        entry = self._active.pop()
-        if entry is None:
-            return
-        mode, saved_setting = entry
-        mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-        _compat.set_dtensor_implicit_replication(saved_setting)
+        scope = self._active.pop()
+        if scope is not None:
+            scope.close()
 
 
 def _in_replication_mode() -> bool:
     return any(isinstance(mode, ReplicatePlainTensorsMode) for mode in _compat.active_torch_function_modes())
+
+
+@contextlib.contextmanager
+def _replicating() -> Iterator[None]:
+    """Inside, plain tensors meet DTensors as Replicate: veScale's mode and DTensor's own flag."""
+    saved_setting = _compat.dtensor_implicit_replication_enabled()
+    _compat.set_dtensor_implicit_replication(True)
+    try:
+        with ReplicatePlainTensorsMode():
+            yield
+    finally:
+        _compat.set_dtensor_implicit_replication(saved_setting)
 
 
 def _install_custom_backward_scope() -> None:
@@ -190,13 +200,8 @@ def _install_custom_backward_scope() -> None:
         forward_module = getattr(getattr(node, "_forward_cls", None), "__module__", "") or ""
         if forward_module.startswith("torch.") or _first_dtensor(grads) is None or _in_replication_mode():
             return original(node, *grads)
-        saved_setting = _compat.dtensor_implicit_replication_enabled()
-        _compat.set_dtensor_implicit_replication(True)
-        try:
-            with ReplicatePlainTensorsMode():
-                return original(node, *grads)
-        finally:
-            _compat.set_dtensor_implicit_replication(saved_setting)
+        with _replicating():
+            return original(node, *grads)
 
     apply.vescale_replicates_plain_tensors = True  # type: ignore[attr-defined]
     node_class.apply = apply  # type: ignore[attr-defined]

@@ -8,8 +8,9 @@ before a vision layer that "never runs in forward"). A unit that never runs (Fuy
 projection) stays on stage 0 (before: ``KeyError``).
 
 Models with no sound split are refused with a typed error that says why: HRM runs its one
-block per stack in a recurrent loop; Zaya and XLNet hold parameters of their own on the module
-that also holds the blocks.
+block per stack in a recurrent loop; a model whose own parameter is used between its blocks
+has no stage for it (Zaya's and XLNet's, used before the blocks or not at all, go to stage 0:
+``test_dpipe_pre_block_modules.py``).
 
 Quantities compared, against single-device training of the same tiny model (the
 architecture's defaults: tied embeddings, biases) on the whole batch
@@ -87,19 +88,27 @@ def test_blocks_run_in_a_loop_are_refused():
         _split("hrm_text")
 
 
-@pytest.mark.parametrize(
-    ("arch", "named"),
-    [
-        (
-            "zaya",
-            r"'model\.input_hidden_states_scale' \(used before the first block 'model\.layers\.0'\)",
-        ),
-        ("xlnet", r"'transformer\.mask_emb' \(not used by this forward\)"),
-    ],
-)
-def test_parameters_of_the_module_around_the_blocks_are_named(arch: str, named: str):
-    with pytest.raises(PipelineCutError, match=named):
-        _split(arch)
+class _GatedBetweenBlocks(torch.nn.Module):
+    """Blocks with a parameter of the model's own multiplied in between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(4)])
+        self.gate = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        for index, layer in enumerate(self.layers):
+            hidden = layer(hidden) * (self.gate if index == 2 else 1.0)
+        return hidden
+
+
+def test_a_parameter_used_where_the_blocks_run_is_refused_naming_it():
+    model = _GatedBetweenBlocks()
+    batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
+    with pytest.raises(PipelineCutError, match=r"'gate' \(used where the blocks run\)"):
+        split_model(model, PipelinePlan(size=2), trace_model(model, batch))
 
 
 def test_a_cut_inside_a_custom_autograd_function_is_refused():

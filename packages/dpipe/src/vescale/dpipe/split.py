@@ -4,8 +4,10 @@ The model is seen as a sequence of *units* in execution order: the repeated bloc
 longest ``nn.ModuleList`` of same-class modules) and every other module that owns parameters
 outside the blocks (embeddings, final norm, head). A stage is a contiguous run of units; a
 cut sits before a block or before a unit that runs after the blocks, where the hidden state
-is the only value that flows on. Cuts are given as module FQNs or chosen over the blocks:
-uniformly, or balancing parameter counts or FLOPs.
+is the only value that flows on. A parameter of the module around the blocks (Zaya's input
+scale and bias, XLNet's unused ``mask_emb``) belongs to the first stage when the forward uses
+it only before the blocks (or not at all), to the last when only after them. Cuts are given
+as module FQNs or chosen over the blocks: uniformly, or balancing parameter counts or FLOPs.
 
 Example::
 
@@ -16,7 +18,7 @@ Example::
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -29,11 +31,15 @@ __all__ = ["StageLayout", "find_blocks", "split_model"]
 
 @dataclass(frozen=True)
 class StageLayout:
-    """The cut of a model: the module starting each stage after the first, and each unit's stage."""
+    """The cut of a model: the module starting each stage after the first, and each unit's stage.
+
+    ``loose_parameters`` maps each parameter of a module around the blocks to its stage.
+    """
 
     boundaries: tuple[str, ...]
     unit_stage: dict[str, int]
     block_fqns: tuple[str, ...]
+    loose_parameters: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -85,7 +91,7 @@ def split_model(model: nn.Module, plan: PipelinePlan, trace: ModelTrace) -> Stag
     """
     block_fqns = find_blocks(model, trace)
     _check_blocks_run_once(model, block_fqns, trace)
-    units = _units_in_order(model, block_fqns, trace)
+    units, loose = _units_in_order(model, block_fqns, trace)
     if plan.split_method == "manual":
         boundaries = tuple(plan.split_points)
     else:
@@ -113,7 +119,9 @@ def split_model(model: nn.Module, plan: PipelinePlan, trace: ModelTrace) -> Stag
         unit: sum(trace.call_index[cut] <= trace.call_index.get(unit, -1) for cut in boundaries)
         for unit in units
     }
-    layout = StageLayout(boundaries, unit_stage, block_fqns)
+    last_stage = len(boundaries)
+    loose_parameters = {name: 0 if before else last_stage for name, before in loose.items()}
+    layout = StageLayout(boundaries, unit_stage, block_fqns, loose_parameters)
     for stage_index in range(layout.num_stages):
         if not layout.units_of(stage_index):
             raise StageCountError(
@@ -123,9 +131,14 @@ def split_model(model: nn.Module, plan: PipelinePlan, trace: ModelTrace) -> Stag
     return layout
 
 
-def _units_in_order(model: nn.Module, block_fqns: tuple[str, ...], trace: ModelTrace) -> list[str]:
+def _units_in_order(
+    model: nn.Module, block_fqns: tuple[str, ...], trace: ModelTrace
+) -> tuple[list[str], dict[str, bool]]:
+    """The units in execution order, and the parameters of modules around the blocks: whether
+    each is used before the blocks (or never), else after them."""
     blocks = set(block_fqns)
     units: list[str] = []
+    loose: dict[str, bool] = {}
     for fqn, module in model.named_modules():
         if fqn in blocks:
             units.append(fqn)
@@ -135,10 +148,30 @@ def _units_in_order(model: nn.Module, block_fqns: tuple[str, ...], trace: ModelT
         if any(_is_inside(fqn, unit) for unit in units):
             continue
         if fqn == "" or any(_is_inside(block, fqn) for block in block_fqns):
-            raise PipelineCutError(_own_parameters_message(model, fqn, module, block_fqns, trace))
+            loose.update(_loose_parameters(model, fqn, module, block_fqns, trace))
+            continue
         units.append(fqn)
     # Modules that never ran (unused) go first: stage 0 keeps them and they receive no gradient.
-    return sorted(units, key=lambda unit: trace.call_index.get(unit, -1))
+    return sorted(units, key=lambda unit: trace.call_index.get(unit, -1)), loose
+
+
+def _loose_parameters(
+    model: nn.Module, fqn: str, module: nn.Module, block_fqns: tuple[str, ...], trace: ModelTrace
+) -> dict[str, bool]:
+    """``{parameter FQN: used before the blocks (or never)}`` of ``module``'s own parameters."""
+    first = trace.call_index.get(block_fqns[0], -1) if block_fqns else -1
+    last = trace.call_index.get(block_fqns[-1], -1) if block_fqns else -1
+    placed: dict[str, bool] = {}
+    for name, _ in module.named_parameters(recurse=False):
+        full_name = f"{fqn}.{name}" if fqn else name
+        span = trace.parameter_uses.get(full_name)
+        if span is None or (block_fqns and span[1] < first):
+            placed[full_name] = True
+        elif block_fqns and span[0] >= last:
+            placed[full_name] = False
+        else:
+            raise PipelineCutError(_own_parameters_message(model, fqn, module, block_fqns, trace))
+    return placed
 
 
 def _check_blocks_run_once(model: nn.Module, block_fqns: tuple[str, ...], trace: ModelTrace) -> None:
@@ -176,9 +209,10 @@ def _own_parameters_message(
     blocks = f"holds the blocks {block_fqns[0]!r}.. and " if block_fqns else ""
     return (
         f"module {owner} ({type(module).__name__}) {blocks}has parameters of its own: "
-        f"{', '.join(uses)}; dpipe gives each stage whole submodules (embeddings, blocks, norms, "
-        "head), so a parameter of the module around the blocks belongs to no stage. Move it into "
-        "a submodule that runs before or after the blocks, or train without pipeline parallelism"
+        f"{', '.join(uses)}; dpipe gives such a parameter to the first stage when the forward uses "
+        "it only before the blocks, to the last when only after them, so one used where the "
+        "blocks run belongs to no stage. Move it into a submodule that runs before or after the "
+        "blocks, or train without pipeline parallelism"
     )
 
 

@@ -81,14 +81,25 @@ def _hidden_state_of(module_fqn: str, args: tuple[Any, ...], kwargs: dict[str, A
     )
 
 
+def _free_parameter(module: nn.Module, name: str, device: torch.device | None) -> None:
+    """Unregister ``module``'s parameter ``name``, leaving a stand-in of its shape and dtype."""
+    parameter = module._parameters.pop(name)
+    if parameter is None:
+        return
+    # A plain tensor attribute: no parameter, no state-dict entry, one element.
+    stand_in = torch.zeros((), dtype=parameter.dtype, device=device or "cpu")
+    setattr(module, name, stand_in.expand(parameter.shape))
+
+
 class StageRouter:
     """Installs the skip, entry and exit logic on ``model`` and frees other stages' parameters.
 
     ``local_stages`` are the stage indices this rank runs; parameters of every other stage's
-    units are unregistered (``model.parameters()`` then lists only this rank's) and their
-    attributes hold a one-element stand-in on ``device`` with the parameter's shape and dtype,
-    since model code outside the units reads them (Llama 4 moves the token ids to
-    ``embed_tokens.weight.device`` on every stage).
+    units, and the loose parameters of the modules around the blocks that another stage owns,
+    are unregistered (``model.parameters()`` then lists only this rank's) and their attributes
+    hold a one-element stand-in on ``device`` with the parameter's shape and dtype, since model
+    code outside the units reads them (Llama 4 moves the token ids to
+    ``embed_tokens.weight.device`` on every stage; Zaya scales and shifts its embeddings).
     """
 
     def __init__(
@@ -123,12 +134,11 @@ class StageRouter:
                         name for name, _ in module.named_parameters(recurse=False, remove_duplicate=False)
                     ]
                     for name in names:
-                        parameter = module._parameters.pop(name)
-                        if parameter is None:
-                            continue
-                        # A plain tensor attribute: no parameter, no state-dict entry, one element.
-                        stand_in = torch.zeros((), dtype=parameter.dtype, device=device or "cpu")
-                        setattr(module, name, stand_in.expand(parameter.shape))
+                        _free_parameter(module, name, device)
+        for parameter_fqn, stage_index in layout.loose_parameters.items():
+            if stage_index not in local_stages:
+                owner_fqn, _, name = parameter_fqn.rpartition(".")
+                _free_parameter(model.get_submodule(owner_fqn), name, device)
 
     def _gate(self, unit_fqn: str, unit: nn.Module, unit_stage: int, output_length: int | None) -> None:
         original_forward = unit.forward

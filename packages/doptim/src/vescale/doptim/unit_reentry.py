@@ -8,14 +8,14 @@ autograd Function, recompute ``layer.attention(...)`` and ``layer.feed_forward(.
 the dp shards of the parameters: "got mixed torch.Tensor and DTensor" under FSDP2 alone, a
 shape error on a dp x tp mesh.
 
-:func:`gather_on_reentry` gives every inner module that holds parameters a forward pre-hook:
-when the module's parameters are still the unit's shards, it unshards the unit (FSDP2's public
-``FSDPModule.unshard``). The gradients of such a recomputation accumulate on the gathered
-parameters, and FSDP2's end-of-backward callback runs the post-backward of every unit whose
-backward hooks did not fire: it reshards and reduce-scatters them, so each shard gets the
-gradient one device computes. Until then that unit's parameters stay gathered (ZeRO-2's
-memory for it, for the rest of that backward). In a unit's own forward and backward the
-parameters are gathered already and the hook does nothing.
+:func:`gather_on_reentry` counts, per unit, the forwards of the unit now running, and gives
+every inner module that holds parameters a forward pre-hook: called while none runs, it unshards
+the unit (FSDP2's public ``FSDPModule.unshard``, a no-op when the unit is gathered already). The
+gradients of such a recomputation accumulate on the gathered parameters, and FSDP2's
+end-of-backward callback runs the post-backward of every unit whose backward hooks did not fire:
+it reshards and reduce-scatters them, so each shard gets the gradient one device computes. Until
+then that unit's parameters stay gathered (ZeRO-2's memory for it, for the rest of that
+backward). Inside a unit's own forward the hook does nothing.
 
 Example::
 
@@ -45,25 +45,28 @@ def _inner_modules(unit: nn.Module) -> Iterator[nn.Module]:
         yield from _inner_modules(child)
 
 
-class _GatherIfSharded:
-    """Forward pre-hook: unshard ``unit`` when the module still holds the unit's parameter shards."""
+class _UnitForwards:
+    """How many forwards of ``unit`` are running; its inner modules' pre-hook gathers it at none."""
 
-    def __init__(self, unit: FSDPModule, shards: set[int]) -> None:
+    def __init__(self, unit: FSDPModule) -> None:
         self.unit = unit
-        self.shards = shards
+        self.running = 0
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        for param in module._parameters.values():
-            if param is not None:
-                if id(param) in self.shards:
-                    self.unit.unshard()
-                return
+    def enter(self, module: nn.Module, args: Any) -> None:
+        self.running += 1
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.running -= 1
+
+    def gather_if_outside(self, module: nn.Module, args: Any) -> None:
+        if not self.running:
+            self.unit.unshard()
 
 
 def gather_on_reentry(model: nn.Module) -> None:
     """Hook every FSDP unit's inner modules in ``model`` to gather the unit when called alone (idempotent).
 
-    Call it after the last ``fully_shard``: a unit's shards are its parameters at that moment.
+    Call it after the last ``fully_shard`` (a nested unit's modules are its own, not its parent's).
 
     Example::
 
@@ -73,10 +76,11 @@ def gather_on_reentry(model: nn.Module) -> None:
     for unit in model.modules():
         if not isinstance(unit, FSDPModule) or getattr(unit, REENTRY_HOOKED, False):
             continue
-        inner = list(_inner_modules(unit))
-        shards = {id(param) for module in inner for param in module.parameters(recurse=False)}
-        for module in inner:
+        forwards = _UnitForwards(unit)
+        unit.register_forward_pre_hook(forwards.enter, prepend=True)
+        unit.register_forward_hook(forwards.leave, always_call=True)
+        for module in _inner_modules(unit):
             if any(True for _ in module.parameters(recurse=False)):
                 # Before any other pre-hook (a tensor-parallel module's input layout may read them).
-                module.register_forward_pre_hook(_GatherIfSharded(unit, shards), prepend=True)
+                module.register_forward_pre_hook(forwards.gather_if_outside, prepend=True)
         setattr(unit, REENTRY_HOOKED, True)

@@ -43,14 +43,14 @@ def batches(vocab_size: int) -> list[torch.Tensor]:
 def _parallel_model(mesh_dims: dict[str, int], model_name: str = "llama"):
     """``model_name`` under ``mesh_dims`` (``dp``, maybe ``pp``/``tp``) and its DistributedOptimizer."""
     from vescale.doptim import DistributedOptimizer, data_parallel
-    from vescale.dpipe.testing import _tensor_parallel_plan
 
     mesh = init_mesh(**mesh_dims)
     model = build_model(model_name)
     if "tp" in mesh_dims:
         import vescale.dmodule
 
-        vescale.dmodule.parallelize_module(model, mesh, _tensor_parallel_plan(model), mesh_dim="tp")
+        tp_plan = vescale.dmodule.auto_sharding_plan(model)  # ties GPT-2's embedding to its head
+        vescale.dmodule.parallelize_module(model, mesh, tp_plan, mesh_dim="tp")
     if "pp" in mesh_dims:
         plan = PipelinePlan(size=mesh_dims["pp"], schedule="1f1b", num_microbatches=NUM_MICROBATCHES)
         model = pipeline_parallelize(model, mesh, plan)

@@ -20,14 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from vescale.dpipe.testing import (
-    LOSS_RTOL,
-    SCHEDULES,
-    pipeline_losses_and_gradients_per_schedule,
-    reference_training_run,
-)
-from vescale.dtensor.testing import run_on_ranks
-from vescale.dtensor.testing.reference import assert_matches_reference
+from vescale.dpipe.testing import assert_every_schedule_matches_single_device
 
 # Worst first-step gradient over every FQN, measured: 7.40e-7 (Llama) and 7.24e-7 (GPT-2)
 # relative, the same for every schedule. The bound, 1e-5, is 13x that floor; a gradient off by
@@ -37,18 +30,4 @@ GRAD_RTOL = 1e-5
 
 @pytest.mark.parametrize("model_name", ["llama", "gpt2"])
 def test_pp2_tp2_matches_single_device_training_for_every_schedule(model_name: str):
-    reference = reference_training_run(model_name)
-    results = run_on_ranks(
-        pipeline_losses_and_gradients_per_schedule,
-        world_size=4,
-        args=(model_name, {"pp": 2, "tp": 2}, SCHEDULES),
-        timeout_s=400,
-    )
-    for schedule in SCHEDULES:
-        losses, gradients = zip(*(per_schedule[schedule] for per_schedule in results), strict=True)
-        assert all(gradients), f"a rank holds no parameter under {schedule}"
-        label = f"{model_name} pp2 x tp2 {schedule}"
-        errors = assert_matches_reference(
-            reference, losses, gradients, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL, label=label
-        )
-        print(f"{label}: worst loss error {errors[0]:.2e}, first-step gradient {errors[1]:.2e}")
+    assert_every_schedule_matches_single_device(model_name, {"pp": 2, "tp": 2}, grad_rtol=GRAD_RTOL)

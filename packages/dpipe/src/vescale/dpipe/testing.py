@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -45,6 +46,7 @@ __all__ = [
     "SEQ_LEN",
     "SGD_LR",
     "STEPS",
+    "assert_every_schedule_matches_single_device",
     "build_model",
     "max_relative_error",
     "pipeline_first_step_gradients",
@@ -303,3 +305,34 @@ def pipeline_losses_and_gradients_per_schedule(
         )
         for schedule in schedules
     }
+
+
+def assert_every_schedule_matches_single_device(
+    model_name: str, mesh_dims: dict[str, int], grad_rtol: float, timeout_s: float = 400
+) -> None:
+    """On ``mesh_dims`` ranks, every schedule's step losses (``LOSS_RTOL``) and every first-step
+    gradient (``grad_rtol``) against :func:`reference_training_run`; prints the worst of each.
+
+    Example::
+
+        assert_every_schedule_matches_single_device("gpt2", {"pp": 2, "tp": 2}, grad_rtol=1e-5)
+    """
+    from vescale.dtensor.testing import run_on_ranks
+    from vescale.dtensor.testing.reference import assert_matches_reference
+
+    reference = reference_training_run(model_name)
+    results = run_on_ranks(
+        pipeline_losses_and_gradients_per_schedule,
+        world_size=math.prod(mesh_dims.values()),
+        args=(model_name, mesh_dims, SCHEDULES),
+        timeout_s=timeout_s,
+    )
+    layout = " x ".join(f"{name}{size}" for name, size in mesh_dims.items())
+    for schedule in SCHEDULES:
+        losses, gradients = zip(*(per_schedule[schedule] for per_schedule in results), strict=True)
+        assert all(gradients), f"a rank holds no parameter under {schedule}"
+        label = f"{model_name} {layout} {schedule}"
+        errors = assert_matches_reference(
+            reference, losses, gradients, loss_rtol=LOSS_RTOL, grad_rtol=grad_rtol, label=label
+        )
+        print(f"{label}: worst loss error {errors[0]:.2e}, first-step gradient {errors[1]:.2e}")

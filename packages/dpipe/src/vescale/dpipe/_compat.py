@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from vescale.dtensor._compat import torch_version
+
 __all__ = [
     "MIN_TORCH",
     "TESTED_TORCH",
@@ -200,9 +202,3 @@ def pipeline_stage_class() -> type:
             return tensor
 
     return ZeroFilledInferenceStage
-
-
-def torch_version() -> tuple[int, int]:
-    """``(major, minor)`` of the installed torch."""
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)

@@ -5,11 +5,22 @@ from __future__ import annotations
 import torch
 
 from vescale.doptim import _compat
+from vescale.dtensor import _compat as dtensor_compat
 
 
 def test_installed_torch_is_within_the_supported_range():
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    assert (major, minor) >= _compat.MIN_TORCH, torch.__version__
+    assert dtensor_compat.torch_version() >= _compat.MIN_TORCH, torch.__version__
+
+
+def test_private_api_error_is_the_one_every_package_raises():
+    # A caller that catches vescale.dtensor's error also catches the ones doptim raises.
+    assert _compat.PrivateTorchAPIError is dtensor_compat.PrivateTorchAPIError
+    error = dtensor_compat.unsupported_torch(
+        "torch.autograd.Variable._execution_engine is missing", "vescale.doptim"
+    )
+    assert isinstance(error, _compat.PrivateTorchAPIError)
+    assert "vescale.doptim was checked against torch" in str(error)
+    assert "update vescale/doptim/_compat.py" in str(error)
 
 
 def test_end_of_backward_callback_runs_once_after_the_last_gradient():

@@ -22,6 +22,9 @@ from typing import Any, Protocol
 
 import torch
 
+# One supported torch range and one error type for every package's _compat.py: vescale.dtensor's.
+from vescale.dtensor._compat import MIN_TORCH, TESTED_TORCH, PrivateTorchAPIError, unsupported_torch
+
 __all__ = [
     "MIN_TORCH",
     "TESTED_TORCH",
@@ -29,14 +32,6 @@ __all__ = [
     "queue_end_of_backward_callback",
     "unmaterialized_fsdp_post_backward",
 ]
-
-MIN_TORCH = (2, 11)
-# The newest release these private attributes were checked against.
-TESTED_TORCH = (2, 13)
-
-
-class PrivateTorchAPIError(RuntimeError):
-    """A private PyTorch attribute that vescale.doptim relies on is missing or changed."""
 
 
 class _AutogradEngine(Protocol):
@@ -46,11 +41,8 @@ class _AutogradEngine(Protocol):
 def _autograd_engine() -> _AutogradEngine:
     engine: _AutogradEngine | None = getattr(torch.autograd.Variable, "_execution_engine", None)
     if engine is None or not callable(getattr(engine, "queue_callback", None)):
-        raise PrivateTorchAPIError(
-            "torch.autograd.Variable._execution_engine.queue_callback is missing in torch "
-            f"{torch.__version__}; vescale.doptim was checked against torch {MIN_TORCH[0]}.{MIN_TORCH[1]} to "
-            f"{TESTED_TORCH[0]}.{TESTED_TORCH[1]}. Install a torch in that range, or update "
-            "vescale/doptim/_compat.py for this release."
+        raise unsupported_torch(
+            "torch.autograd.Variable._execution_engine.queue_callback is missing", "vescale.doptim"
         )
     return engine
 
@@ -80,11 +72,9 @@ def unmaterialized_fsdp_post_backward() -> None:
     module = importlib.import_module(_FSDP_PARAM_GROUP)
     original: Any = getattr(module, "RegisterPostBackwardFunction", None)
     if not (isinstance(original, type) and issubclass(original, torch.autograd.Function)):
-        raise PrivateTorchAPIError(
-            f"{_FSDP_PARAM_GROUP}.RegisterPostBackwardFunction is missing or not an autograd Function "
-            f"in torch {torch.__version__}; vescale.doptim was checked against torch "
-            f"{MIN_TORCH[0]}.{MIN_TORCH[1]} to {TESTED_TORCH[0]}.{TESTED_TORCH[1]}. Install a torch in "
-            "that range, or update vescale/doptim/_compat.py for this release."
+        raise unsupported_torch(
+            f"{_FSDP_PARAM_GROUP}.RegisterPostBackwardFunction is missing or not an autograd Function",
+            "vescale.doptim",
         )
     if getattr(original, "vescale_unmaterialized", False):
         return

@@ -33,7 +33,14 @@ from typing import Any
 
 import torch
 
-from vescale.dtensor._compat import torch_version
+# One supported torch range and one error type for every package's _compat.py: vescale.dtensor's.
+from vescale.dtensor._compat import (
+    MIN_TORCH,
+    TESTED_TORCH,
+    PrivateTorchAPIError,
+    torch_version,
+    unsupported_torch,
+)
 
 __all__ = [
     "MIN_TORCH",
@@ -44,21 +51,9 @@ __all__ = [
     "pipeline_stage_class",
 ]
 
-MIN_TORCH = (2, 11)
-# The newest release these private attributes were checked against.
-TESTED_TORCH = (2, 13)
-
-
-class PrivateTorchAPIError(RuntimeError):
-    """A private PyTorch attribute that vescale.dpipe relies on is missing or changed."""
-
 
 def _missing(what: str) -> PrivateTorchAPIError:
-    return PrivateTorchAPIError(
-        f"{what} is missing in torch {torch.__version__}; vescale.dpipe was checked against torch "
-        f"{MIN_TORCH[0]}.{MIN_TORCH[1]} to {TESTED_TORCH[0]}.{TESTED_TORCH[1]}. Install a torch in "
-        "that range, or update vescale/dpipe/_compat.py for this release."
-    )
+    return unsupported_torch(f"{what} is missing", "vescale.dpipe")
 
 
 def fake_tensor_mode() -> AbstractContextManager[Any]:

@@ -66,8 +66,11 @@ __all__ = [
     "dtensor_sharding_propagator",
     "reset_dtensor_rng_tracker",
     "torch_version",
+    "unsupported_torch",
 ]
 
+# The torch range for the private attributes of every package's _compat.py (doptim, dpipe
+# import these): one range, since the packages are released in lockstep.
 MIN_TORCH = (2, 11)
 # The newest release these private attributes were checked against.
 TESTED_TORCH = (2, 13)
@@ -88,7 +91,27 @@ GLOBAL_MODULE_HOOK_DICTS = (
 
 
 class PrivateTorchAPIError(RuntimeError):
-    """A private PyTorch attribute that veScale relies on is missing or changed its type."""
+    """A private PyTorch attribute that veScale relies on is missing or changed its type.
+
+    Every package's ``_compat.py`` raises this one type (from :func:`unsupported_torch`), so a
+    caller catches a changed PyTorch the same way whichever package noticed it.
+    """
+
+
+def unsupported_torch(problem: str, package: str = "vescale.dtensor") -> PrivateTorchAPIError:
+    """The error for ``problem`` ("<private attribute> is missing") that ``package`` hits in this torch.
+
+    It names the supported torch range and the ``_compat.py`` of ``package`` to update.
+
+    Example::
+
+        raise unsupported_torch("torch._subclasses.fake_tensor is missing", "vescale.dpipe")
+    """
+    return PrivateTorchAPIError(
+        f"{problem} in torch {torch.__version__}; {package} was checked against torch "
+        f"{MIN_TORCH[0]}.{MIN_TORCH[1]} to {TESTED_TORCH[0]}.{TESTED_TORCH[1]}. Install a torch in "
+        f"that range, or update {package.replace('.', '/')}/_compat.py for this release."
+    )
 
 
 def torch_version() -> tuple[int, int]:
@@ -100,12 +123,7 @@ def torch_version() -> tuple[int, int]:
 def _private_attribute(module_name: str, attribute: str, expected_type: type | None) -> Any:
     module = importlib.import_module(module_name)
     if not hasattr(module, attribute):
-        raise PrivateTorchAPIError(
-            f"{module_name}.{attribute} does not exist in torch {torch.__version__}; "
-            f"vescale.dtensor was checked against torch {MIN_TORCH[0]}.{MIN_TORCH[1]} to "
-            f"{TESTED_TORCH[0]}.{TESTED_TORCH[1]}. Install a torch in that range, or update "
-            "vescale/dtensor/_compat.py for this release."
-        )
+        raise unsupported_torch(f"{module_name}.{attribute} does not exist")
     value = getattr(module, attribute)
     if expected_type is not None and not isinstance(value, expected_type):
         raise PrivateTorchAPIError(

@@ -2,6 +2,7 @@
 
 Every bench that ``tools/bench/run_all.py`` runs takes ``--json PATH`` and writes a list of
 these rows there; run_all prints them in one table and ``--check`` fails on a missed goal.
+A bench's command line starts from :func:`bench_parser`, its module docstring as the help.
 
 Example::
 
@@ -11,11 +12,25 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from collections.abc import Sequence
 
-__all__ = ["bench_row", "write_rows"]
+__all__ = ["bench_parser", "bench_row", "write_rows"]
+
+
+def bench_parser(description: str | None) -> argparse.ArgumentParser:
+    """A bench's argument parser, whose ``--help`` prints ``description`` (its module docstring) as written.
+
+    Example::
+
+        parser = bench_parser(__doc__)
+        parser.add_argument("--steps", type=int, default=3)
+    """
+    return argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
 
 
 def bench_row(

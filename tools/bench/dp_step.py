@@ -42,7 +42,6 @@ buckets (``--bucket-mb``).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -259,9 +258,9 @@ def _print_zero_targets(measured: dict[str, dict], numel: int, dp: int, bucket_m
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from bench_rows import bench_parser
+
+    parser = bench_parser(__doc__)
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=6)

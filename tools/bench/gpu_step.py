@@ -228,9 +228,9 @@ def _plain_count(config: transformers.LlamaConfig):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from bench_rows import bench_parser
+
+    parser = bench_parser(__doc__)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--heads", type=int, default=32)

@@ -170,9 +170,9 @@ def _measured_run(key: str, arguments: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from bench_rows import bench_parser
+
+    parser = bench_parser(__doc__)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts", type=int, default=8)

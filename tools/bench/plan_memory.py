@@ -33,12 +33,11 @@ here). The estimate models tensors, as a device's allocator reports them.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.distributed as dist
 
 from vescale.dtensor.testing import run_on_ranks, shutdown_rank_pool
+from vescale.dtensor.testing.models.tiny_hf import MEMORY_LLAMA_VOCAB, memory_llama_config
 
 MiB = 2**20
 SEQUENCE_LENGTH = 256
@@ -69,17 +68,8 @@ PLANS: dict[str, tuple[int, dict]] = {
 
 
 def llama_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=4096,
-        max_position_embeddings=SEQUENCE_LENGTH,
-        attn_implementation="sdpa",
+    return memory_llama_config(
+        512, 1024, num_attention_heads=8, num_key_value_heads=4, sequence_length=SEQUENCE_LENGTH
     )
 
 
@@ -127,7 +117,9 @@ def measure_rank(plan_json: str, steps: int, glibc_default: bool) -> dict:
     warm_up_training()
     dp_rank = mesh.get_local_rank("dp") if plan.mesh_size("dp") > 1 else 0
     generator = torch.Generator().manual_seed(1)
-    rows = torch.randint(0, 4096, (plan.global_batch_size, SEQUENCE_LENGTH), generator=generator)
+    rows = torch.randint(
+        0, MEMORY_LLAMA_VOCAB, (plan.global_batch_size, SEQUENCE_LENGTH), generator=generator
+    )
     share = plan.global_batch_size // plan.mesh_size("dp")
     micro_batches = rows[dp_rank * share : (dp_rank + 1) * share].split(plan.micro_batch_size)
     dist.barrier()
@@ -180,9 +172,9 @@ def predicted_forward_activations(model, plan) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from bench_rows import bench_parser
+
+    parser = bench_parser(__doc__)
     parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument(

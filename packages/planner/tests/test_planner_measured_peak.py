@@ -17,22 +17,14 @@ from __future__ import annotations
 import torch
 
 from vescale.dtensor.testing import run_on_ranks
+from vescale.dtensor.testing.models.tiny_hf import MEMORY_LLAMA_VOCAB, memory_llama_config
 
 SEQUENCE, BATCH = 256, 2
 
 
 def llama_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=4096,
-        max_position_embeddings=SEQUENCE,
-        attn_implementation="sdpa",
+    return memory_llama_config(
+        256, 768, num_attention_heads=4, num_key_value_heads=2, sequence_length=SEQUENCE
     )
 
 
@@ -49,7 +41,9 @@ def measured_training_peak() -> int:
 
     fix_mmap_threshold()
     warm_up_training()
-    input_ids = torch.randint(0, 4096, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1))
+    input_ids = torch.randint(
+        0, MEMORY_LLAMA_VOCAB, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1)
+    )
     base = trimmed_resident_bytes()
     reset_high_water_mark()  # the high-water mark restarts from the current resident set
     torch.manual_seed(0)

@@ -19,7 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TINY_HF_MODELS", "build_tiny_hf_model", "tiny_batch", "tiny_hf_config"]
+__all__ = [
+    "MEMORY_LLAMA_VOCAB",
+    "TINY_HF_MODELS",
+    "build_tiny_hf_model",
+    "memory_llama_config",
+    "tiny_batch",
+    "tiny_hf_config",
+]
 
 TINY_HF_MODELS = ("llama", "mistral", "gpt2", "mixtral")
 
@@ -146,3 +153,41 @@ def tiny_batch(
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
     return input_ids, input_ids.clone()
+
+
+# The Llama whose real training peak the planner's memory estimate is checked against, on one
+# rank (planner's tests/test_planner_measured_peak.py) and on a plan's ranks
+# (tools/bench/plan_memory.py): tens of MiB of tensors, so that they dominate the resident set.
+MEMORY_LLAMA_VOCAB = 4096
+
+
+def memory_llama_config(
+    hidden_size: int,
+    intermediate_size: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    sequence_length: int,
+) -> Any:
+    """The 4-layer ``LlamaConfig`` (vocabulary :data:`MEMORY_LLAMA_VOCAB`, SDPA attention) whose
+    training memory the planner's estimate is measured against, at these sizes.
+
+    Example::
+
+        config = memory_llama_config(
+            256, 768, num_attention_heads=4, num_key_value_heads=2, sequence_length=256
+        )
+        assert config.num_hidden_layers == 4
+    """
+    import transformers
+
+    return transformers.LlamaConfig(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=4,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        vocab_size=MEMORY_LLAMA_VOCAB,
+        max_position_embeddings=sequence_length,
+        # Taken by PretrainedConfig's keyword arguments, which LlamaConfig's annotations omit.
+        attn_implementation="sdpa",  # type: ignore[call-arg]
+    )

@@ -4,12 +4,15 @@ data_parallel.deterministic constraint reaching the plan."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
+from vescale.dtensor.testing import shutdown_rank_pool
 from vescale.dtensor.testing.models.tiny_hf import build_tiny_hf_model
 from vescale.planner import generate_plan
+from vescale.planner.calibrate import measure_cpu
 from vescale.planner.errors import PlanError
 from vescale.planner.hardware import BUILTIN_PROFILES, HardwareProfile, calibrate_cpu, load_hardware
 
@@ -44,6 +47,31 @@ def test_the_cpu_profile_is_measured_on_the_ranks():
     assert profile.name == "cpu" and profile.devices_per_node == 2
     assert 1e8 < profile.peak_flops("fp32") < 1e13
     assert profile.intra_node_bandwidth > 0 and profile.memory_bandwidth > 0
+    # Fused attention on CPU lags the matmul; gloo's reduce-scatter is a whole all-reduce.
+    efficiency, half_dim = profile.attention_curve()
+    assert 0 < efficiency <= 1 and half_dim > 0 and profile.attention_efficiency is not None
+    assert profile.reduce_scatter_is_all_reduce
+    assert profile.redistribute_overhead_us >= 0
+
+
+def test_ranks_that_outnumber_the_cores_each_get_a_share_of_one():
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.fail("this test pins the process to one core with os.sched_setaffinity (Linux)")
+    cores = os.sched_getaffinity(0)
+    # The rank processes are started anew while this process is pinned to one core: they inherit it.
+    shutdown_rank_pool()
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        alone, sharing = measure_cpu(1), measure_cpu(2)
+    finally:
+        shutdown_rank_pool()
+        os.sched_setaffinity(0, cores)
+    assert alone["cores"] == sharing["cores"] == 1
+    # Two ranks on one core: each computes at about half the speed and pays about twice the host
+    # time per op (the slowdown is measured, so it also carries the switching between them).
+    assert 1.6 < sharing["slowdown_at_once"] < 3.0
+    assert 0.3 < sharing["fp32_flops"] / alone["fp32_flops"] < 0.65
+    assert 1.5 < sharing["op_overhead_s"] / alone["op_overhead_s"] < 3.3
 
 
 def test_the_deterministic_constraint_reaches_the_data_parallel_section():

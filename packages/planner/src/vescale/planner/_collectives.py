@@ -25,6 +25,7 @@ __all__ = [
     "all_to_all_seconds",
     "axis_link",
     "p2p_seconds",
+    "reduce_scatter_seconds",
 ]
 
 
@@ -37,6 +38,8 @@ class AxisLink:
     bandwidth: float
     latency: float
     crosses_nodes: bool
+    reduce_scatter_is_all_reduce: bool = False
+    """The backend runs a reduce-scatter as a whole all-reduce (gloo has no reduce-scatter of its own)."""
 
 
 def axis_link(
@@ -50,11 +53,14 @@ def axis_link(
     """
     per_node = devices_per_node or hardware.devices_per_node
     crosses = size * stride > per_node and size > 1
+    via_all_reduce = hardware.reduce_scatter_is_all_reduce
     if not crosses:
-        return AxisLink(size, hardware.link_bandwidth(False), hardware.link_latency(False), False)
+        return AxisLink(
+            size, hardware.link_bandwidth(False), hardware.link_latency(False), False, via_all_reduce
+        )
     members_per_node = max(1, min(size, per_node // stride))
     bandwidth = min(hardware.link_bandwidth(False), members_per_node * hardware.link_bandwidth(True))
-    return AxisLink(size, bandwidth, hardware.link_latency(True), True)
+    return AxisLink(size, bandwidth, hardware.link_latency(True), True, via_all_reduce)
 
 
 def all_reduce_seconds(link: AxisLink, nbytes: float) -> float:
@@ -72,6 +78,14 @@ def all_gather_seconds(link: AxisLink, nbytes: float) -> float:
     if n == 1 or nbytes <= 0:
         return 0.0
     return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+
+
+def reduce_scatter_seconds(link: AxisLink, nbytes: float) -> float:
+    """Reduce-scatter of ``nbytes`` per rank into ``1/n`` each: as :func:`all_gather_seconds` on a
+    ring, or a whole all-reduce where the backend has no reduce-scatter (gloo)."""
+    if link.reduce_scatter_is_all_reduce:
+        return all_reduce_seconds(link, nbytes)
+    return all_gather_seconds(link, nbytes)
 
 
 def all_to_all_seconds(link: AxisLink, nbytes: float) -> float:

@@ -1,10 +1,19 @@
-"""Measure this machine as ``world_size`` CPU ranks see it: matmul FLOP/s, memory bandwidth, the
-host cost of one op, and gloo all-reduce latency and bandwidth.
+"""Measure this machine as ``world_size`` CPU ranks see it: matmul FLOP/s, fused attention's
+efficiency by head dimension, memory bandwidth, the host cost of one op, gloo all-reduce
+latency and bandwidth, whether a reduce-scatter costs a whole all-reduce (gloo's does), and
+what a DTensor redistribution adds to the collective it runs.
 
-Every rank measures at the same time (one intra-op thread each, as veScale's CPU ranks run),
-so the figures include the ranks' contention for the cores, caches and memory. A matmul is
-fitted to ``t = overhead + flops / peak`` from square matmuls of side 64 and 512; the
-all-reduce to ``t = 2 (n - 1) alpha + 2 (n - 1) / n * bytes / beta`` from 1 KiB and 8 MiB
+One rank measures the compute figures alone on a core (one intra-op thread, as veScale's CPU
+ranks run) while the others wait. Then every rank runs a small training step at once, and the
+slowest rank's time over rank 0's alone is the slowdown the ranks' contention for the cores,
+caches and memory brings (about ``world_size / cores`` where the ranks outnumber the cores):
+the FLOP/s and bandwidth are divided by it and the per-op host costs multiplied. (Timing each
+figure on every rank at once instead caught the others' time slices at random: 8 ranks on 2
+cores measured from 27 to 51 GFLOP/s a rank from run to run.)
+Fused attention is fitted to ``e(d) = efficiency * d / (d + half_dim)`` of the fp32 matmul
+peak from causal calls at head dimensions 16 and 64. A matmul is fitted to
+``t = overhead + flops / peak`` from square matmuls of side 64 and 512; the all-reduce to
+``t = 2 (n - 1) alpha + 2 (n - 1) / n * bytes / beta`` from 1 KiB and 8 MiB
 tensors. :func:`vescale.planner.hardware.calibrate_cpu` turns the figures into a profile.
 
 Example::
@@ -21,24 +30,36 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+from vescale.doptim.reduction import all_gather_flat, reduce_scatter_flat
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["measure_cpu"]
 
 _SMALL, _LARGE = 64, 512
+_ATTENTION_SMALL, _ATTENTION_LARGE = 16, 64
 
 
-def _seconds(work: Callable[[], object], repeats: int) -> float:
+def _seconds(work: Callable[[], object], repeats: int, together: bool = False, trials: int = 3) -> float:
+    """Seconds per call: the median over ``trials`` of the mean over ``repeats`` calls; with
+    ``together`` every rank starts each trial at once (a collective)."""
     work()
-    if dist.is_initialized():
-        dist.barrier()
-    started = time.perf_counter()
-    for _ in range(repeats):
-        work()
-    return (time.perf_counter() - started) / repeats
+    means = []
+    for _ in range(trials):
+        if together:
+            dist.barrier()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            work()
+        means.append((time.perf_counter() - started) / repeats)
+    return statistics.median(means)
 
 
 def _matmul_fit(dtype: torch.dtype) -> tuple[float, float]:
@@ -52,18 +73,38 @@ def _matmul_fit(dtype: torch.dtype) -> tuple[float, float]:
     return peak, max(small_s - small_flops / peak, 1e-7)
 
 
+def _attention_fit(peak: float) -> tuple[float, float]:
+    """``(efficiency, half_dim)`` of causal fused attention against ``peak``: ``e(d) = efficiency * d /
+    (d + half_dim)`` through head dimensions 16 and 64 (FLOPs counted as the planner counts them)."""
+    points = []
+    for head_dim in (_ATTENTION_SMALL, _ATTENTION_LARGE):
+        q, k, v = (torch.randn(2, 8, 128, head_dim) for _ in range(3))
+        attention = functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True)
+        seconds = _seconds(attention, 20)
+        flops = 4.0 * 2 * 8 * 128 * 128 * head_dim * 0.5
+        points.append(flops / seconds / peak)
+    small, large = points
+    denominator = small / _ATTENTION_SMALL - large / _ATTENTION_LARGE
+    half_dim = (large - small) / denominator if denominator > 0 and large > small else 1.0
+    efficiency = large * (_ATTENTION_LARGE + half_dim) / _ATTENTION_LARGE
+    return min(efficiency, 1.0), half_dim
+
+
 def _all_reduce_seconds(numel: int, repeats: int) -> float:
     tensor = torch.ones(numel)
-    return _seconds(lambda: dist.all_reduce(tensor), repeats)
+    return _seconds(lambda: dist.all_reduce(tensor), repeats, together=True)
 
 
-def _dtensor_op_seconds(leaf: torch.Tensor) -> float:
-    """The same op on a DTensor over all ranks (what tensor parallelism adds to every op)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+def _reduce_scatter_seconds(numel: int, repeats: int) -> float:
+    tensor, output = torch.ones(numel), torch.empty(numel // dist.get_world_size())
+    return _seconds(lambda: reduce_scatter_flat(output, tensor), repeats, together=True)
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    shared = distribute_tensor(leaf.detach(), mesh, [Replicate()])
+
+def _dtensor_op_seconds(leaf: torch.Tensor, mesh: DeviceMesh) -> float:
+    """The same op on a DTensor (what tensor parallelism adds to every op), on a one-rank mesh."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    shared = DTensor.from_local(leaf.detach(), mesh, [Replicate()], run_check=False)
     shared.requires_grad_()
 
     def step() -> None:
@@ -74,18 +115,71 @@ def _dtensor_op_seconds(leaf: torch.Tensor) -> float:
     return _seconds(step, 200) / 4
 
 
-def _measure_on_rank() -> dict[str, float]:
+def _redistribute_overhead_seconds() -> float:
+    """What a DTensor redistribution (``Shard(0) -> Replicate``, as tensor parallelism runs) costs
+    beyond the same all-gather called directly: its planning, copies and autograd wrapping."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    local = torch.ones(64, 32)
+    sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    gathered = torch.empty(world * 64, 32)
+    direct = _seconds(lambda: all_gather_flat(gathered, local), 30, together=True)
+    redistributed = _seconds(lambda: sharded.redistribute(mesh, [Replicate()]).to_local(), 30, together=True)
+    return max(redistributed - direct, 0.0)
+
+
+def _training_work() -> Callable[[], None]:
+    """A small training step (an MLP block's forward and backward, ~10 ms on one core)."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(
+        torch.nn.LayerNorm(256), torch.nn.Linear(256, 512), torch.nn.SiLU(), torch.nn.Linear(512, 256)
+    )
+    inputs = torch.randn(128, 256)
+    return lambda: block(inputs).sum().backward()
+
+
+def _slowdown_at_once(alone_s: float | None, work: Callable[[], None]) -> float:
+    """How much longer the slowest rank takes ``work`` when every rank runs it at once than rank
+    0 alone (``alone_s``, known on rank 0): the share of a core each rank really gets, cache and
+    scheduling included."""
+    at_once = torch.tensor([_seconds(work, 15, together=True)])
+    dist.all_reduce(at_once, op=dist.ReduceOp.MAX)
+    return float(at_once) / alone_s if alone_s else 1.0
+
+
+def _one_core_figures(mesh: DeviceMesh) -> dict[str, float]:
+    """Compute figures of one rank running alone on a core."""
     figures: dict[str, float] = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         figures[f"{name}_flops"], figures[f"{name}_matmul_overhead_s"] = _matmul_fit(dtype)
+    figures["attention_efficiency"], figures["attention_half_dim"] = _attention_fit(figures["fp32_flops"])
     source, target = torch.ones(8 * 2**20), torch.empty(8 * 2**20)
     figures["memory_bandwidth"] = 2 * source.nbytes / _seconds(lambda: target.copy_(source), 10)
     # One eager op as training runs it: autograd records it and backward runs its gradient.
     leaf = torch.ones(4, requires_grad=True)
     # torch leaves Tensor.backward unannotated.
     figures["op_overhead_s"] = _seconds(lambda: leaf.mul(2.0).sum().backward(), 500) / 4  # type: ignore[no-untyped-call]
-    figures["dtensor_op_overhead_s"] = _dtensor_op_seconds(leaf)
+    figures["dtensor_op_overhead_s"] = _dtensor_op_seconds(leaf, mesh)
+    return figures
+
+
+def _measure_on_rank() -> dict[str, float]:
+    from torch.distributed.device_mesh import DeviceMesh
+
     world = dist.get_world_size()
+    # A one-rank mesh for rank 0's DTensor measurement (every rank takes part in creating it).
+    group = dist.new_group([0])
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("tp",)) if dist.get_rank() == 0 else None
+    # Rank 0 measures the compute figures alone (the others wait in the barrier, off the cores):
+    # ranks measuring at once would each catch other ranks' time slices at random.
+    figures = _one_core_figures(mesh) if mesh is not None else {}
+    work = _training_work()
+    alone = _seconds(work, 15) if mesh is not None else None
+    dist.barrier()
+    figures["slowdown_at_once"] = _slowdown_at_once(alone, work)
     if world > 1:
         small_s = _all_reduce_seconds(256, 50)
         large_numel = 2 * 2**20
@@ -94,13 +188,21 @@ def _measure_on_rank() -> dict[str, float]:
         alpha = small_s / steps
         figures["collective_latency_s"] = alpha
         figures["collective_bandwidth"] = steps / world * large_numel * 4 / max(large_s - steps * alpha, 1e-9)
+        # A ring reduce-scatter costs half an all-reduce; gloo's runs a whole one.
+        figures["reduce_scatter_over_all_reduce"] = _reduce_scatter_seconds(256 * world, 50) / small_s
+        figures["redistribute_overhead_s"] = _redistribute_overhead_seconds()
     else:
         figures["collective_latency_s"], figures["collective_bandwidth"] = 1e-5, 1e10
+        figures["reduce_scatter_over_all_reduce"] = 0.5
+        figures["redistribute_overhead_s"] = 0.0
     return figures
 
 
 def measure_cpu(world_size: int = 2) -> dict[str, float]:
-    """The figures of the module docstring, each the median over the ranks (plus ``memory_bytes``).
+    """The figures of the module docstring (plus ``memory_bytes`` and ``cores``): the collective
+    ones the median over the ranks, the compute ones one core's scaled by the share of a core
+    each of ``world_size`` ranks gets (``1 / slowdown_at_once``: about ``cores / world_size``
+    when the ranks outnumber the cores).
 
     Example::
 
@@ -110,6 +212,20 @@ def measure_cpu(world_size: int = 2) -> dict[str, float]:
     from vescale.dtensor.testing import run_on_ranks
 
     per_rank = run_on_ranks(_measure_on_rank, world_size, timeout_s=600)
-    figures = {key: statistics.median(rank[key] for rank in per_rank) for key in per_rank[0]}
+    figures = dict(per_rank[0])
+    for key in (
+        "collective_latency_s",
+        "collective_bandwidth",
+        "reduce_scatter_over_all_reduce",
+        "redistribute_overhead_s",
+    ):
+        figures[key] = statistics.median(rank[key] for rank in per_rank)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    share = 1.0 / max(1.0, figures["slowdown_at_once"])
+    for key in ("fp32_flops", "bf16_flops", "memory_bandwidth"):
+        figures[key] *= share
+    for key in ("fp32_matmul_overhead_s", "bf16_matmul_overhead_s", "op_overhead_s", "dtensor_op_overhead_s"):
+        figures[key] /= share
+    figures["cores"] = float(cores)
     figures["memory_bytes"] = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     return figures

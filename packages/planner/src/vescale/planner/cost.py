@@ -5,13 +5,16 @@ From the per-op records of the meta-tensor forward (:mod:`vescale.planner.op_cos
 * **compute**: each matmul ``max(flops / (peak * e(d)), bytes / bandwidth) + overhead`` with the
   efficiency curve ``e(d) = matmul_efficiency * d / (d + matmul_half_dim)`` on its smallest
   dimension ``d`` after tensor parallelism (column-parallel divides ``n``, row-parallel ``k``);
-  fused attention likewise on its head dimension (heads divided by ``tp``); every other op
+  fused attention likewise on its head dimension (heads divided by ``tp``), with the profile's
+  own attention curve where it has one (CPU: the fused kernel lags the matmul); every other op
   ``bytes / (memory bandwidth * memory_efficiency)``; each op at least ``op_overhead_us``
   (``dtensor_op_overhead_us`` under tensor parallelism, where every op runs on DTensors).
   Backward costs 2x the forward (attention 2.5x), in ``mixed_precision``'s dtype;
 * **recompute**: ``"full"`` runs each block's forward again, ``"selective"`` its non-matmul ops;
 * **tensor_parallel**: each row-parallel output all-reduced in forward and backward (under
-  sequence parallelism a reduce-scatter and an all-gather: the same ring volume);
+  sequence parallelism a reduce-scatter and an all-gather: the same ring volume, unless the
+  backend runs a reduce-scatter as a whole all-reduce, as gloo does), each collective plus
+  the host time of the DTensor redistribution around it (``redistribute_overhead_us``);
 * **pipeline_bubble**: ``(p - 1) / v`` micro-batch slots of the slowest stage for GPipe and
   1F1B (``v = 1``) and interleaved 1F1B (``v`` virtual stages), a third of 1F1B's for zero-bubble;
   **pipeline_p2p**: two activation sends per micro-batch;
@@ -20,7 +23,9 @@ From the per-op records of the meta-tensor forward (:mod:`vescale.planner.op_cos
   ZeRO-1/2's parameter all-gather after the step; ZeRO-3's per-block all-gathers and
   reduce-scatters beyond the block compute they are prefetched under (every micro-batch;
   under a pipeline once per step, as FSDP2 keeps a stage gathered across micro-batches; all
-  of it where the profile says communication does not overlap, as on CPU ranks);
+  of it where the profile says communication does not overlap, as on CPU ranks); plus the
+  global-batch loss's scalar all-reduces over the batch ranks, two per step (one under a
+  pipeline), latency-bound and on the critical path;
 * **expert_parallel** (``ep > 1``): per micro-batch and MoE layer of the stage, four all-to-alls
   of the layer's ``tokens x top_k`` hidden states over the ``ep`` axis (dispatch and combine in
   forward, their transposes in backward; six under full recomputation), each rank keeping
@@ -52,6 +57,7 @@ from vescale.planner._collectives import (
     all_to_all_seconds,
     axis_link,
     p2p_seconds,
+    reduce_scatter_seconds,
 )
 from vescale.planner.errors import PlanError
 from vescale.planner.hardware import HardwareProfile
@@ -63,6 +69,10 @@ __all__ = ["StepCost", "balanced_split", "model_flops_per_step", "op_parts", "pr
 
 _BACKWARD = {"matmul": 2.0, "attention": 2.5, "memory": 2.0}
 _ADAMW_BYTES = {"fp32": 28.0, "bf16": 32.0}
+# vescale.parallelize's global-batch loss: all-reduces of two float64 scalars over the batch
+# ranks per step, the loss-term count and the loss (one, of the count bounds, under a pipeline).
+_LOSS_REDUCTIONS = {False: 2, True: 1}
+_LOSS_REDUCTION_BYTES = 16.0
 
 
 @dataclass(frozen=True)
@@ -122,9 +132,11 @@ def _op_seconds(
     m, n, k = op.dims
     flops = op.flops * scale
     reduce_bytes = 0.0
+    efficiency_at_scale, half_dim = hardware.matmul_efficiency, hardware.matmul_half_dim
     if op.kind == "attention":
         divisor = tp if tp > 1 and op.block is not None else 1
         smallest = k
+        efficiency_at_scale, half_dim = hardware.attention_curve()
     else:
         divisor = tp if sharded else 1
         m = m * scale
@@ -134,7 +146,7 @@ def _op_seconds(
             k = k / tp
             reduce_bytes = op.output_bytes * scale * bytes_scale
         smallest = min(m, n, k)
-    efficiency = hardware.matmul_efficiency * smallest / (smallest + hardware.matmul_half_dim)
+    efficiency = efficiency_at_scale * smallest / (smallest + half_dim)
     seconds = max(flops / divisor / (peak * efficiency), traffic / divisor / bandwidth)
     return max(seconds + hardware.matmul_overhead_us * 1e-6, overhead), reduce_bytes
 
@@ -155,6 +167,7 @@ def op_parts(
             shortest[op.block] = op.module_fqn
     block_fqns = frozenset(shortest.values())
     tp_link = axis_link(hardware, choices.tensor_parallel_size, 1)
+    redistribute_overhead = hardware.redistribute_overhead_us * 1e-6 if tp_link.size > 1 else 0.0
     parts: dict[int | str, _Part] = {}
     for op in profile.op_costs:
         key = op.block if op.block is not None else op.side
@@ -163,7 +176,17 @@ def op_parts(
         part.forward += seconds
         part.backward += _BACKWARD[op.kind] * seconds
         part.memory_forward += seconds if op.kind == "memory" else 0.0
-        part.tp_forward += all_reduce_seconds(tp_link, reduce_bytes)
+        if reduce_bytes <= 0:
+            continue
+        if choices.sequence_parallel:
+            # A reduce-scatter out of the row-parallel op, an all-gather into the next one.
+            part.tp_forward += (
+                reduce_scatter_seconds(tp_link, reduce_bytes)
+                + all_gather_seconds(tp_link, reduce_bytes)
+                + 2 * redistribute_overhead
+            )
+        else:
+            part.tp_forward += all_reduce_seconds(tp_link, reduce_bytes) + redistribute_overhead
     tp, plan = choices.tensor_parallel_size, choices.sharding_plan
     for record in profile.parameters:
         key = record.block if record.block is not None else record.side
@@ -321,7 +344,7 @@ def predict_step(
             members,
             microbatches,
             hardware.overlaps_communication,
-        )
+        ) + _LOSS_REDUCTIONS[pp > 1] * all_reduce_seconds(dp_link, _LOSS_REDUCTION_BYTES)
         local = elements / (dp * ep if choices.zero_stage >= 1 else 1)
         # Memory-bound, plus the host time of AdamW's per-tensor loop where it has one (CPU),
         # under DTensor with tensor parallelism.
@@ -388,7 +411,7 @@ def _data_parallel_seconds(
     parameter_bytes = elements * grad_bytes
     last_backward = sum(p.backward for p in members)
     if zero < 3:
-        gradients = (all_reduce_seconds if zero < 2 else all_gather_seconds)(link, parameter_bytes)
+        gradients = (all_reduce_seconds if zero < 2 else reduce_scatter_seconds)(link, parameter_bytes)
         bucket_share = min(1.0, 25 * 2**20 / max(parameter_bytes, 1.0))
         exposed = max(gradients - last_backward, gradients * bucket_share)
         if zero >= 1:
@@ -400,7 +423,9 @@ def _data_parallel_seconds(
     exposed = 0.0
     for part in block_members:
         gather = all_gather_seconds(link, part.parameter_elements * grad_bytes)
-        backward_traffic = gather if rounds == 1 else 2 * gather
+        scatter = reduce_scatter_seconds(link, part.parameter_elements * grad_bytes)
+        # Backward gathers the block again, unless a pipeline keeps it gathered, and reduce-scatters.
+        backward_traffic = scatter if choices.pipeline_parallel_size > 1 else gather + scatter
         if not overlaps:  # no streams to prefetch on: every gather and reduce-scatter waits
             exposed += gather + backward_traffic
             continue

@@ -44,6 +44,9 @@ _DTYPE_NAMES = {
 }
 
 
+_MAY_BE_ZERO = ("optimizer_ops_per_tensor", "redistribute_overhead_us")
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     """One kind of device and its node (see the module docstring); bandwidths in bytes/s.
@@ -92,6 +95,20 @@ class HardwareProfile:
     optimizer_ops_per_tensor: float = 0.0
     """The eager ops AdamW runs per parameter tensor: 0 where its multi-tensor kernels step them all
     at once, as on CUDA; ~12 in its per-tensor loop on CPU."""
+    redistribute_overhead_us: float = 0.0
+    """Host microseconds a DTensor redistribution adds to each tensor-parallel collective (its
+    planning, copies and autograd wrapping), measured on CPU ranks; 0 where the host runs ahead
+    of the device, as on GPUs."""
+    reduce_scatter_is_all_reduce: bool = False
+    """Whether the backend runs a reduce-scatter as a whole all-reduce (gloo, measured by
+    :func:`calibrate_cpu`; NCCL has a ring reduce-scatter, half the traffic)."""
+    attention_efficiency: float | None = None
+    """The fraction of peak FLOP/s fused attention reaches at large head dimensions (its FLOPs
+    counted as the model counts them: half the scores when causal); ``None``: the matmul curve's
+    ``matmul_efficiency``. Measured on CPU, where the fused kernel lags the matmul."""
+    attention_half_dim: float | None = None
+    """The head dimension at which fused attention reaches half of ``attention_efficiency``;
+    ``None``: ``matmul_half_dim``."""
     source: str = ""
     """Where the numbers come from (a data sheet, a calibration run)."""
 
@@ -112,10 +129,18 @@ class HardwareProfile:
                 isinstance(value, bool)
                 or not isinstance(value, int | float)
                 or value < 0
-                or (value == 0 and field.name != "optimizer_ops_per_tensor")
+                or (value == 0 and field.name not in _MAY_BE_ZERO)
             ):
                 raise PlanError(
                     f"hardware profile {self.name!r}: {field.name}={value!r} must be a positive number"
+                )
+        for name in ("attention_efficiency", "attention_half_dim"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+            ):
+                raise PlanError(
+                    f"hardware profile {self.name!r}: {name}={value!r} must be a positive number or null"
                 )
         if not isinstance(self.devices_per_node, int):
             raise PlanError(f"hardware profile {self.name!r}: devices_per_node must be an integer")
@@ -137,6 +162,19 @@ class HardwareProfile:
         if name not in peaks:
             return min(peaks.values()) * 1e12
         return peaks[name] * 1e12
+
+    def attention_curve(self) -> tuple[float, float]:
+        """``(efficiency, half_dim)`` of fused attention's curve over the head dimension.
+
+        Example::
+
+            efficiency, half_dim = load_hardware("h100-80gb").attention_curve()   # (0.75, 64.0)
+        """
+        efficiency = (
+            self.matmul_efficiency if self.attention_efficiency is None else self.attention_efficiency
+        )
+        half_dim = self.matmul_half_dim if self.attention_half_dim is None else self.attention_half_dim
+        return efficiency, half_dim
 
     def link_bandwidth(self, crosses_nodes: bool) -> float:
         """Bytes/s per device a ring collective reaches on the links it uses."""
@@ -275,5 +313,9 @@ def calibrate_cpu(world_size: int = 2) -> HardwareProfile:
         dtensor_op_overhead_us=measured["dtensor_op_overhead_s"] * 1e6,
         overlaps_communication=False,
         optimizer_ops_per_tensor=12.0,
+        reduce_scatter_is_all_reduce=measured["reduce_scatter_over_all_reduce"] > 0.75,
+        redistribute_overhead_us=measured["redistribute_overhead_s"] * 1e6,
+        attention_efficiency=measured["attention_efficiency"],
+        attention_half_dim=measured["attention_half_dim"],
         source=f"measured on this machine by {world_size} gloo ranks at once (vescale plan --calibrate)",
     )

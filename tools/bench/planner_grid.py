@@ -5,14 +5,17 @@
     .venv/bin/python tools/bench/planner_grid.py --profile-dir /tmp/profiles   # reuse calibrations
 
 For each world size (4 and 8 ranks) the ``cpu`` profile is measured first (``calibrate_cpu``:
-matmuls, copies and gloo all-reduces timed on all ranks at once). Then, for two Llama-shaped
+matmuls, fused attention, copies and per-op host costs timed on one core and scaled by the
+slowdown the ranks bring each other running at once; gloo collectives on all ranks). Then, for
+two Llama-shaped
 ``transformers`` models (float32), every grid configuration (dp / tp / pp / ZeRO / activation
 checkpointing / micro-batch, forced through constraints) and the planner's own unconstrained
 choice are planned with ``generate_plan(..., hardware=profile)`` and run for real through
 ``vescale.parallelize`` on the ranks, AdamW, one warm-up step and ``--steps`` timed steps
 (the median is the measurement). Printed: predicted vs measured step time per configuration,
-the Spearman rank correlation, the share within +-20%, and per (model, world) cell how the
-planner's choice compares with the fastest measured configuration.
+the Spearman rank correlation, the share within +-20%, per (model, world) cell how the planner's
+choice compares with the fastest measured configuration, and issue #20's goals, each checked;
+``--check`` exits 1 when one is missed.
 
 The machine is shared: the ranks' timings include whatever else runs on it, and every run
 prints the load average next to its table.
@@ -20,7 +23,6 @@ prints the load average next to its table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -135,13 +137,14 @@ def _profile(world: int, directory: Path | None) -> HardwareProfile:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from bench_rows import bench_parser
+
+    parser = bench_parser(__doc__)
     parser.add_argument("--worlds", type=int, nargs="+", default=sorted(GRID))
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--profile-dir", type=Path, default=None)
+    parser.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")
     args = parser.parse_args()
     rows = []
     for world in args.worlds:
@@ -180,10 +183,12 @@ def main() -> None:
                     flush=True,
                 )
         shutdown_rank_pool()
-    _report(rows)
+    met = _report(rows)
+    if args.check and not met:
+        raise SystemExit(1)
 
 
-def _report(rows: list) -> None:
+def _report(rows: list) -> bool:
     grid = [row for row in rows if row[2] != "planner's choice"]
     predicted, measured = [r[3] for r in grid], [r[4] for r in grid]
     within = sum(abs(p / m - 1) <= 0.2 for p, m in zip(predicted, measured, strict=True))
@@ -191,17 +196,21 @@ def _report(rows: list) -> None:
     print("|---|---|---|---:|---:|---:|")
     for world, model_name, name, p, m, _ in rows:
         print(f"| {world} | {model_name} | {name} | {p:.4f} | {m:.4f} | {p / m:.2f} |")
+    spearman = _spearman(predicted, measured)
     print(
-        f"\nconfigurations: {len(grid)}; Spearman rank correlation {_spearman(predicted, measured):.3f}; "
+        f"\nconfigurations: {len(grid)}; Spearman rank correlation {spearman:.3f}; "
         f"within +-20%: {within}/{len(grid)}"
     )
+    speeds = []
     for world, model_name in sorted({(r[0], r[1]) for r in rows}):
         cell = [r for r in rows if (r[0], r[1]) == (world, model_name)]
         best = min(r[4] for r in cell)
         choice = next((r for r in cell if r[2] == "planner's choice"), None)
         if choice is None:
             print(f"{world} ranks {model_name}: the planner's choice did not run (see its line above)")
+            speeds.append(0.0)
             continue
+        speeds.append(best / choice[4])
         plan = choice[5]
         mesh = " ".join(f"{d}{s}" for d, s in plan.mesh if s > 1)
         print(
@@ -209,6 +218,20 @@ def _report(rows: list) -> None:
             f"{plan.activation_checkpointing}, mbs {plan.micro_batch_size}) measured {choice[4]:.4f} s = "
             f"{best / choice[4]:.0%} of the best measured speed"
         )
+    goals = [
+        ("at least 24 configurations", len(grid) >= 24),
+        ("Spearman rank correlation >= 0.9", spearman >= 0.9),
+        ("every prediction within +-20%", within == len(grid)),
+        (
+            "the choice >= 95% of the best in >= 80% of cells",
+            sum(s >= 0.95 for s in speeds) >= 0.8 * len(speeds),
+        ),
+        ("the choice >= 90% of the best in every cell", all(s >= 0.9 for s in speeds)),
+    ]
+    print("\n| goal (issue #20) | met |\n|---|---|")
+    for goal, met in goals:
+        print(f"| {goal} | {'yes' if met else 'NO'} |")
+    return all(met for _, met in goals)
 
 
 if __name__ == "__main__":

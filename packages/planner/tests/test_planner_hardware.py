@@ -68,10 +68,12 @@ def test_ranks_that_outnumber_the_cores_each_get_a_share_of_one():
         os.sched_setaffinity(0, cores)
     assert alone["cores"] == sharing["cores"] == 1
     # Two ranks on one core: each computes at about half the speed and pays about twice the host
-    # time per op (the slowdown is measured, so it also carries the switching between them).
-    assert 1.6 < sharing["slowdown_at_once"] < 3.0
-    assert 0.3 < sharing["fp32_flops"] / alone["fp32_flops"] < 0.65
-    assert 1.5 < sharing["op_overhead_s"] / alone["op_overhead_s"] < 3.3
+    # time per op (measured quiet: slowdown 2.16-2.24, FLOP/s 0.45-0.46x). One-sided bounds with a
+    # margin for tests running beside this one (pytest-xdist); the bug guarded against, no
+    # scaling, gives ~1.
+    assert sharing["slowdown_at_once"] > 1.5
+    assert sharing["fp32_flops"] / alone["fp32_flops"] < 0.75
+    assert sharing["op_overhead_s"] / alone["op_overhead_s"] > 1.35
 
 
 def test_the_deterministic_constraint_reaches_the_data_parallel_section():

@@ -100,8 +100,8 @@ class HardwareProfile:
     planning, copies and autograd wrapping), measured on CPU ranks; 0 where the host runs ahead
     of the device, as on GPUs."""
     reduce_scatter_is_all_reduce: bool = False
-    """Whether the backend runs a reduce-scatter as a whole all-reduce (gloo, measured by
-    :func:`calibrate_cpu`; NCCL has a ring reduce-scatter, half the traffic)."""
+    """Whether the backend runs a reduce-scatter as a whole all-reduce (gloo, which
+    :func:`calibrate_cpu`'s ranks use; NCCL has a ring reduce-scatter, half the traffic)."""
     attention_efficiency: float | None = None
     """The fraction of peak FLOP/s fused attention reaches at large head dimensions (its FLOPs
     counted as the model counts them: half the scores when causal); ``None``: the matmul curve's
@@ -313,7 +313,7 @@ def calibrate_cpu(world_size: int = 2) -> HardwareProfile:
         dtensor_op_overhead_us=measured["dtensor_op_overhead_s"] * 1e6,
         overlaps_communication=False,
         optimizer_ops_per_tensor=12.0,
-        reduce_scatter_is_all_reduce=measured["reduce_scatter_over_all_reduce"] > 0.75,
+        reduce_scatter_is_all_reduce=bool(measured["reduce_scatter_is_all_reduce"]),
         redistribute_overhead_us=measured["redistribute_overhead_s"] * 1e6,
         attention_efficiency=measured["attention_efficiency"],
         attention_half_dim=measured["attention_half_dim"],

@@ -211,7 +211,6 @@ def measure_cpu(world_size: int = 2) -> dict[str, float]:
     for key in (
         "collective_latency_s",
         "collective_bandwidth",
-        "reduce_scatter_is_all_reduce",
         "redistribute_overhead_s",
     ):
         figures[key] = statistics.median(rank[key] for rank in per_rank)

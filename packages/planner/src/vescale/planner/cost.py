@@ -70,8 +70,7 @@ __all__ = ["StepCost", "balanced_split", "model_flops_per_step", "op_parts", "pr
 _BACKWARD = {"matmul": 2.0, "attention": 2.5, "memory": 2.0}
 _ADAMW_BYTES = {"fp32": 28.0, "bf16": 32.0}
 # vescale.parallelize's global-batch loss: all-reduces of two float64 scalars over the batch
-# ranks per step, the loss-term count and the loss (one, of the count bounds, under a pipeline).
-_LOSS_REDUCTIONS = {False: 2, True: 1}
+# ranks per step, the loss-term count and the loss (under a pipeline only the count bounds).
 _LOSS_REDUCTION_BYTES = 16.0
 
 
@@ -344,7 +343,7 @@ def predict_step(
             members,
             microbatches,
             hardware.overlaps_communication,
-        ) + _LOSS_REDUCTIONS[pp > 1] * all_reduce_seconds(dp_link, _LOSS_REDUCTION_BYTES)
+        ) + (1 if pp > 1 else 2) * all_reduce_seconds(dp_link, _LOSS_REDUCTION_BYTES)
         local = elements / (dp * ep if choices.zero_stage >= 1 else 1)
         # Memory-bound, plus the host time of AdamW's per-tensor loop where it has one (CPU),
         # under DTensor with tensor parallelism.

@@ -125,7 +125,8 @@ class HardwareProfile:
         object.__setattr__(self, "peak_tflops", tuple(sorted(normalised)))
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.type in ("float", "int") and (
+            optional = field.type == "float | None"
+            if (field.type in ("float", "int") or (optional and value is not None)) and (
                 isinstance(value, bool)
                 or not isinstance(value, int | float)
                 or value < 0
@@ -133,14 +134,7 @@ class HardwareProfile:
             ):
                 raise PlanError(
                     f"hardware profile {self.name!r}: {field.name}={value!r} must be a positive number"
-                )
-        for name in ("attention_efficiency", "attention_half_dim"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
-            ):
-                raise PlanError(
-                    f"hardware profile {self.name!r}: {name}={value!r} must be a positive number or null"
+                    + (" or null" if optional else "")
                 )
         if not isinstance(self.devices_per_node, int):
             raise PlanError(f"hardware profile {self.name!r}: devices_per_node must be an integer")
@@ -317,5 +311,5 @@ def calibrate_cpu(world_size: int = 2) -> HardwareProfile:
         redistribute_overhead_us=measured["redistribute_overhead_s"] * 1e6,
         attention_efficiency=measured["attention_efficiency"],
         attention_half_dim=measured["attention_half_dim"],
-        source=f"measured on this machine by {world_size} gloo ranks at once (vescale plan --calibrate)",
+        source=f"measured on this machine for {world_size} gloo ranks (vescale plan --calibrate)",
     )

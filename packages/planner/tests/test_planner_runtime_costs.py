@@ -1,6 +1,7 @@
 """What the step-time model charges for the runtime around the math: fused attention's own
-efficiency curve, a backend whose reduce-scatter is a whole all-reduce (gloo), the host time of
-DTensor redistributions, and ``vescale.parallelize``'s global-batch loss reductions (issue #20)."""
+efficiency curve, a backend's all-gather and reduce-scatter slower than a ring's (gloo), the
+host time of DTensor redistributions, ``vescale.parallelize``'s global-batch loss reductions, and each
+collective's wait for its last member where ranks share cores (issue #20)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from vescale.dmodule import plan_tensor_parallel
 from vescale.dtensor.testing.models.meta_llama import meta_llama
 from vescale.planner import ParallelChoices
-from vescale.planner._collectives import all_gather_seconds, all_reduce_seconds, axis_link
+from vescale.planner import _collectives as collectives
 from vescale.planner._meta_forward import meta_parameters
 from vescale.planner.cost import predict_step
 from vescale.planner.errors import PlanError
@@ -61,19 +62,32 @@ def test_attention_follows_its_own_curve_where_the_profile_has_one(llama):
     assert difference == pytest.approx(extra, rel=1e-6)
 
 
-def test_a_reduce_scatter_costs_a_whole_all_reduce_where_the_backend_has_none(llama):
+def test_the_backends_all_gather_and_reduce_scatter_cost_their_measured_factor_of_a_ring(llama):
     profile, _ = llama
-    gloo_like = dataclasses.replace(A100, reduce_scatter_is_all_reduce=True)
-    link, ring = axis_link(gloo_like, 8, 1), axis_link(A100, 8, 1)
-    assert link.reduce_scatter_is_all_reduce and not ring.reduce_scatter_is_all_reduce
+    # gloo has no ring reduce-scatter (measured 2.5-5x a ring's time) and a slower all-gather.
+    gloo_like = dataclasses.replace(A100, all_gather_factor=2.0, reduce_scatter_factor=3.0)
+    link, ring = collectives.axis_link(gloo_like, 8, 1), collectives.axis_link(A100, 8, 1)
+    nbytes = 64e6
+    assert collectives.all_gather_seconds(link, nbytes) == pytest.approx(
+        2 * collectives.all_gather_seconds(ring, nbytes), rel=1e-9
+    )
+    assert collectives.reduce_scatter_seconds(link, nbytes) == pytest.approx(
+        3 * collectives.reduce_scatter_seconds(ring, nbytes), rel=1e-9
+    )
+    assert collectives.all_reduce_seconds(link, nbytes) == collectives.all_reduce_seconds(ring, nbytes)
+    # ZeRO-2's parameter all-gather after the step is exposed whole; the reduce-scatter at least
+    # partly. ZeRO-0 all-reduces only: unchanged.
     zero2 = ParallelChoices(sequence_length=2048, mixed_precision="bf16", data_parallel_size=8, zero_stage=2)
-    # ZeRO-2's gradient reduce-scatter is what differs, by the all-reduce's second half.
     gradient_bytes = sum(record.numel for record in profile.parameters) * 2.0
-    expected = all_reduce_seconds(link, gradient_bytes) - all_gather_seconds(link, gradient_bytes)
+    gather_extra = collectives.all_gather_seconds(link, gradient_bytes) - collectives.all_gather_seconds(
+        ring, gradient_bytes
+    )
     difference = _part(profile, zero2, gloo_like, "data_parallel") - _part(
         profile, zero2, A100, "data_parallel"
     )
-    assert difference == pytest.approx(expected, rel=1e-6)
+    assert difference > gather_extra > 0
+    zero0 = dataclasses.replace(zero2, zero_stage=0)
+    assert _part(profile, zero0, gloo_like, "data_parallel") == _part(profile, zero0, A100, "data_parallel")
 
 
 def test_each_tensor_parallel_collective_pays_the_redistribution_host_time(llama):
@@ -91,7 +105,7 @@ def test_each_tensor_parallel_collective_pays_the_redistribution_host_time(llama
         )
     ]
     assert len(row_parallel) == 4  # two blocks, attention and MLP each
-    for sequence_parallel, collectives in ((False, 1), (True, 2)):
+    for sequence_parallel, per_output in ((False, 1), (True, 2)):
         choices = ParallelChoices(
             sequence_length=2048,
             mixed_precision="bf16",
@@ -103,7 +117,7 @@ def test_each_tensor_parallel_collective_pays_the_redistribution_host_time(llama
             profile, choices, A100, "tensor_parallel"
         )
         # Forward and backward (2x) of every row-parallel op's collectives.
-        assert difference == pytest.approx(2 * len(row_parallel) * collectives * overhead_us * 1e-6, rel=1e-6)
+        assert difference == pytest.approx(2 * len(row_parallel) * per_output * overhead_us * 1e-6, rel=1e-6)
 
 
 def test_the_global_batch_loss_costs_two_scalar_all_reduces_over_the_batch_ranks(llama):
@@ -112,16 +126,75 @@ def test_the_global_batch_loss_costs_two_scalar_all_reduces_over_the_batch_ranks
     choices = ParallelChoices(
         sequence_length=2048, mixed_precision="bf16", data_parallel_size=4, zero_stage=0
     )
-    link = axis_link(slow_links, 4, 1)
+    link = collectives.axis_link(slow_links, 4, 1)
     # The gradients' all-reduce is exposed beyond the backward it overlaps; the scalars are not.
     fast, slow = (
         _part(profile, choices, A100, "data_parallel"),
         _part(profile, choices, slow_links, "data_parallel"),
     )
-    scalars = 2 * all_reduce_seconds(link, 16.0) - 2 * all_reduce_seconds(axis_link(A100, 4, 1), 16.0)
+    scalars = 2 * collectives.all_reduce_seconds(link, 16.0) - 2 * collectives.all_reduce_seconds(
+        collectives.axis_link(A100, 4, 1), 16.0
+    )
     assert slow - fast >= scalars - 1e-12
     single = ParallelChoices(sequence_length=2048, mixed_precision="bf16", data_parallel_size=1)
     assert _part(profile, single, slow_links, "data_parallel") == 0.0
+
+
+def test_each_collective_waits_once_for_its_last_member_where_the_profile_measures_a_wait(llama):
+    profile, sharding = llama
+    wait_us = 3000.0
+    # Measured with all 8 ranks of the node in the collective; the last of n ranks arriving
+    # spread over a time slice is (n - 1) / (2 (n + 1)) of it after their mean: 2 ranks wait
+    # (1/3) / (7/9) = 3/7 of what 8 wait, 4 ranks (3/5) / (7/9) = 27/35.
+    sharing = dataclasses.replace(A100, collective_wait_us=wait_us)
+    assert sharing.devices_per_node == 8
+    share = {2: 3 / 7, 4: 27 / 35, 8: 1.0}
+    for seconds in (
+        collectives.all_reduce_seconds,
+        collectives.all_gather_seconds,
+        collectives.reduce_scatter_seconds,
+        collectives.all_to_all_seconds,
+        collectives.p2p_seconds,
+    ):
+        for size in (2, 4, 8):
+            waited = seconds(collectives.axis_link(sharing, size, 1), 1e6) - seconds(
+                collectives.axis_link(A100, size, 1), 1e6
+            )
+            assert waited == pytest.approx(share[size] * wait_us * 1e-6, rel=1e-9), (seconds.__name__, size)
+        assert seconds(collectives.axis_link(sharing, 1, 1), 1e6) == 0.0  # no collective on a one-rank axis
+    # Tensor parallelism: one all-reduce per row-parallel op (4), forward and backward.
+    choices = ParallelChoices(
+        sequence_length=2048, mixed_precision="bf16", tensor_parallel_size=4, sharding_plan=sharding
+    )
+    difference = _part(profile, choices, sharing, "tensor_parallel") - _part(
+        profile, choices, A100, "tensor_parallel"
+    )
+    assert difference == pytest.approx(2 * 4 * share[4] * wait_us * 1e-6, rel=1e-6)
+    # A pipeline: two sends per micro-batch, between two ranks.
+    piped = ParallelChoices(
+        sequence_length=2048, mixed_precision="bf16", pipeline_parallel_size=2, num_microbatches=4
+    )
+    difference = _part(profile, piped, sharing, "pipeline_p2p") - _part(profile, piped, A100, "pipeline_p2p")
+    assert difference == pytest.approx(2 * 4 * share[2] * wait_us * 1e-6, rel=1e-6)
+
+
+def test_ranks_that_share_cores_fill_the_pipeline_bubble_with_each_others_work(llama):
+    profile, _ = llama
+    bubbles = {}
+    for pp in (2, 4):
+        choices = ParallelChoices(
+            sequence_length=2048, mixed_precision="bf16", pipeline_parallel_size=pp, num_microbatches=8
+        )
+        for ranks_per_core in (1.0, 2.0, 4.0):
+            sharing = dataclasses.replace(A100, ranks_per_core=ranks_per_core)
+            bubbles[pp, ranks_per_core] = _part(profile, choices, sharing, "pipeline_bubble")
+    # A device a rank: the whole bubble. Two ranks a core, two stages: the stage that waits lends
+    # its core to the one computing, which runs twice as fast: none shows. Four stages: the ramp's
+    # first slot has one stage of four computing on half the cores: 2 (1/2 + 1/2 + 3/4) - 3 = 1/2
+    # of the 3 slots. Four ranks a core: none.
+    assert bubbles[2, 1.0] > 0 and bubbles[4, 1.0] > 0
+    assert bubbles[2, 2.0] == 0.0 and bubbles[2, 4.0] == 0.0 and bubbles[4, 4.0] == 0.0
+    assert bubbles[4, 2.0] == pytest.approx(bubbles[4, 1.0] / 6, rel=1e-9)
 
 
 def test_a_profile_refuses_a_nonpositive_attention_figure():

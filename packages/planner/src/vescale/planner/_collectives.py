@@ -4,7 +4,9 @@ Ranks are laid out in the canonical mesh order (``pp``, ``dp``, ``ep``, ``tp``: 
 so an axis of size ``n`` whose ranks are ``stride`` apart spans ``n * stride`` consecutive ranks;
 it stays inside a node when those fit in one, and otherwise its ring crosses nodes through each
 node's ``k`` members' own adapters (bandwidth ``min(intra, k * inter)`` per device, as NCCL's
-rings use one adapter each).
+rings use one adapter each). Each collective also waits once for its last member
+(``collective_wait_us``: 0 on devices of their own; a scheduler time slice where CPU ranks
+outnumber the cores).
 
 Example::
 
@@ -38,8 +40,24 @@ class AxisLink:
     bandwidth: float
     latency: float
     crosses_nodes: bool
-    reduce_scatter_is_all_reduce: bool = False
-    """The backend runs a reduce-scatter as a whole all-reduce (gloo has no reduce-scatter of its own)."""
+    gather_factor: float = 1.0
+    """The backend's all-gather time over a ring all-gather's (1 for NCCL; measured for gloo)."""
+    scatter_factor: float = 1.0
+    """The backend's reduce-scatter time over a ring reduce-scatter's (1 for NCCL; gloo: 2.5-5)."""
+    wait: float = 0.0
+    """Seconds each collective waits for its last member (ranks sharing cores; 0 on devices)."""
+
+
+def _wait_seconds(hardware: HardwareProfile, size: int) -> float:
+    """The wait of a collective of ``size`` ranks for its last member: arrivals spread evenly over
+    a time slice put the last of ``n`` ``(n - 1) / (2 (n + 1))`` of a slice after their mean,
+    scaled from ``collective_wait_us``, measured with every rank of a node in the collective
+    (8 ranks on 2 cores measured 1-2.4 ms for pairs, 3.9 for fours, 3.8-5.1 for all eight)."""
+
+    def spread(n: int) -> float:
+        return (n - 1) / (n + 1)
+
+    return hardware.collective_wait_us * 1e-6 * spread(size) / spread(max(hardware.devices_per_node, 2))
 
 
 def axis_link(
@@ -53,14 +71,12 @@ def axis_link(
     """
     per_node = devices_per_node or hardware.devices_per_node
     crosses = size * stride > per_node and size > 1
-    via_all_reduce = hardware.reduce_scatter_is_all_reduce
+    backend = (hardware.all_gather_factor, hardware.reduce_scatter_factor, _wait_seconds(hardware, size))
     if not crosses:
-        return AxisLink(
-            size, hardware.link_bandwidth(False), hardware.link_latency(False), False, via_all_reduce
-        )
+        return AxisLink(size, hardware.link_bandwidth(False), hardware.link_latency(False), False, *backend)
     members_per_node = max(1, min(size, per_node // stride))
     bandwidth = min(hardware.link_bandwidth(False), members_per_node * hardware.link_bandwidth(True))
-    return AxisLink(size, bandwidth, hardware.link_latency(True), True, via_all_reduce)
+    return AxisLink(size, bandwidth, hardware.link_latency(True), True, *backend)
 
 
 def all_reduce_seconds(link: AxisLink, nbytes: float) -> float:
@@ -68,24 +84,27 @@ def all_reduce_seconds(link: AxisLink, nbytes: float) -> float:
     n = link.size
     if n == 1 or nbytes <= 0:
         return 0.0
-    return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
+    return link.wait + 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
 
 
-def all_gather_seconds(link: AxisLink, nbytes: float) -> float:
-    """Ring all-gather (or reduce-scatter) of a ``nbytes`` result:
-    ``(n-1) alpha + (n-1)/n * bytes / beta``."""
+def _half_ring_seconds(link: AxisLink, nbytes: float, factor: float) -> float:
     n = link.size
     if n == 1 or nbytes <= 0:
         return 0.0
-    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+    return link.wait + factor * ((n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth)
+
+
+def all_gather_seconds(link: AxisLink, nbytes: float) -> float:
+    """All-gather of a ``nbytes`` result: ``(n-1) alpha + (n-1)/n * bytes / beta`` on a ring, times
+    the backend's measured ``gather_factor``."""
+    return _half_ring_seconds(link, nbytes, link.gather_factor)
 
 
 def reduce_scatter_seconds(link: AxisLink, nbytes: float) -> float:
-    """Reduce-scatter of ``nbytes`` per rank into ``1/n`` each: as :func:`all_gather_seconds` on a
-    ring, or a whole all-reduce where the backend has no reduce-scatter (gloo)."""
-    if link.reduce_scatter_is_all_reduce:
-        return all_reduce_seconds(link, nbytes)
-    return all_gather_seconds(link, nbytes)
+    """Reduce-scatter of ``nbytes`` per rank into ``1/n`` each: the ring all-gather's time, times the
+    backend's measured ``scatter_factor`` (gloo has no ring reduce-scatter: PyTorch runs a whole
+    all-reduce and more)."""
+    return _half_ring_seconds(link, nbytes, link.scatter_factor)
 
 
 def all_to_all_seconds(link: AxisLink, nbytes: float) -> float:
@@ -94,11 +113,11 @@ def all_to_all_seconds(link: AxisLink, nbytes: float) -> float:
     n = link.size
     if n == 1 or nbytes <= 0:
         return 0.0
-    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+    return link.wait + (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
 
 
 def p2p_seconds(link: AxisLink, nbytes: float) -> float:
     """One send of ``nbytes`` to the neighbouring stage."""
     if link.size == 1 or nbytes <= 0:
         return 0.0
-    return link.latency + nbytes / link.bandwidth
+    return link.wait + link.latency + nbytes / link.bandwidth

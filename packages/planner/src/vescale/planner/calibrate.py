@@ -1,7 +1,9 @@
 """Measure this machine as ``world_size`` CPU ranks see it: matmul FLOP/s, fused attention's
 efficiency by head dimension, memory bandwidth, the host cost of one op, gloo all-reduce
-latency and bandwidth, and what a DTensor redistribution adds to the collective it runs; the
-backend (gloo) says that a reduce-scatter costs a whole all-reduce.
+latency and bandwidth, what a DTensor redistribution adds to the collective it runs, and how
+long a collective waits for its last member when the ranks come to it from computing, and the
+backend's flat all-gather and reduce-scatter against a ring's time (gloo has no ring
+reduce-scatter: 2.5-5x).
 
 One rank measures the compute figures alone on a core (one intra-op thread, as veScale's CPU
 ranks run) while the others wait. Then every rank runs a small training step at once, and the
@@ -10,11 +12,16 @@ caches and memory brings (about ``world_size / cores`` where the ranks outnumber
 the FLOP/s and bandwidth are divided by it and the per-op host costs multiplied. (Timing each
 figure on every rank at once instead caught the others' time slices at random: 8 ranks on 2
 cores measured from 27 to 51 GFLOP/s a rank from run to run.)
+The same step followed by a small all-reduce, against each of them alone, gives how long a
+collective waits for its last member: ranks that outnumber the cores reach it a scheduler time
+slice apart (2 ms at 4 ranks, 4-5 ms at 8 on 2 cores), a wait no ring step measured apart shows.
 Fused attention is fitted to ``e(d) = efficiency * d / (d + half_dim)`` of the fp32 matmul
 peak from causal calls at head dimensions 16 and 64. A matmul is fitted to
 ``t = overhead + flops / peak`` from square matmuls of side 64 and 512; the all-reduce to
 ``t = 2 (n - 1) alpha + 2 (n - 1) / n * bytes / beta`` from 1 KiB and 8 MiB
-tensors. :func:`vescale.planner.hardware.calibrate_cpu` turns the figures into a profile.
+tensors; the all-gather and reduce-scatter of 8 MiB are divided by half the all-reduce of the
+same tensor timed beside them (a ring's). :func:`vescale.planner.hardware.calibrate_cpu`
+turns the figures into a profile.
 
 Example::
 
@@ -36,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from vescale.doptim.reduction import all_gather_flat
+from vescale.doptim.reduction import all_gather_flat, reduce_scatter_flat
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -95,6 +102,23 @@ def _all_reduce_seconds(numel: int, repeats: int) -> float:
     return _seconds(lambda: dist.all_reduce(tensor), repeats, together=True)
 
 
+def _gather_and_scatter_factors(numel: int, trials: int = 5) -> tuple[float, float]:
+    """The backend's flat all-gather into, and reduce-scatter out of, ``numel`` elements (the
+    collectives ZeRO runs), each over a ring's time: half the all-reduce of the same tensor timed
+    beside it (a ring all-reduce is a reduce-scatter and an all-gather); medians over ``trials``,
+    so that the machine's drift between trials cancels."""
+    world = dist.get_world_size()
+    whole, chunk = torch.ones(numel - numel % world), torch.empty(numel // world)
+    gathers, scatters = [], []
+    for _ in range(trials):
+        ring = _seconds(lambda: dist.all_reduce(whole), 3, together=True, trials=1) / 2
+        gathers.append(_seconds(lambda: all_gather_flat(whole, chunk), 3, together=True, trials=1) / ring)
+        scatters.append(
+            _seconds(lambda: reduce_scatter_flat(chunk, whole), 3, together=True, trials=1) / ring
+        )
+    return statistics.median(gathers), statistics.median(scatters)
+
+
 def _dtensor_op_seconds(leaf: torch.Tensor, mesh: DeviceMesh) -> float:
     """The same op on a DTensor (what tensor parallelism adds to every op), on a one-rank mesh."""
     from torch.distributed.tensor import DTensor, Replicate
@@ -134,6 +158,29 @@ def _training_work() -> Callable[[], None]:
     )
     inputs = torch.randn(128, 256)
     return lambda: block(inputs).sum().backward()
+
+
+def _collective_wait_seconds(work: Callable[[], None], trials: int = 15) -> float:
+    """How long a small all-reduce of every rank waits for its last member when each rank comes
+    to it from ``work`` (the ranks sharing cores arrive a time slice apart): a loop of work and
+    all-reduce, less the work alone and the all-reduce alone, all timed with every rank at once;
+    the median over ``trials`` (each difference is of noisy at-once timings)."""
+    tensor = torch.ones(256)
+
+    def communicate() -> None:
+        dist.all_reduce(tensor)
+
+    def work_then_communicate() -> None:
+        work()
+        communicate()
+
+    waits = []
+    for _ in range(trials):
+        alone = _seconds(work, 10, together=True, trials=1) + _seconds(
+            communicate, 10, together=True, trials=1
+        )
+        waits.append(_seconds(work_then_communicate, 10, together=True, trials=1) - alone)
+    return max(statistics.median(waits), 0.0)
 
 
 def _slowdown_at_once(alone_s: float | None, work: Callable[[], None]) -> float:
@@ -184,12 +231,14 @@ def _measure_on_rank() -> dict[str, float]:
         figures["collective_latency_s"] = alpha
         figures["collective_bandwidth"] = steps / world * large_numel * 4 / max(large_s - steps * alpha, 1e-9)
         figures["redistribute_overhead_s"] = _redistribute_overhead_seconds()
+        figures["collective_wait_s"] = _collective_wait_seconds(work)
+        figures["all_gather_factor"], figures["reduce_scatter_factor"] = _gather_and_scatter_factors(
+            large_numel
+        )
     else:
         figures["collective_latency_s"], figures["collective_bandwidth"] = 1e-5, 1e10
-        figures["redistribute_overhead_s"] = 0.0
-    # A ring reduce-scatter moves half an all-reduce; gloo has none of its own and PyTorch runs a
-    # whole all-reduce for it (4 ranks here: reduce-scatter 6.6 ms, all-reduce 6.5, all-gather 3.9).
-    figures["reduce_scatter_is_all_reduce"] = float(dist.get_backend() == "gloo")
+        figures["redistribute_overhead_s"] = figures["collective_wait_s"] = 0.0
+        figures["all_gather_factor"] = figures["reduce_scatter_factor"] = 1.0
     return figures
 
 
@@ -212,6 +261,9 @@ def measure_cpu(world_size: int = 2) -> dict[str, float]:
         "collective_latency_s",
         "collective_bandwidth",
         "redistribute_overhead_s",
+        "collective_wait_s",
+        "all_gather_factor",
+        "reduce_scatter_factor",
     ):
         figures[key] = statistics.median(rank[key] for rank in per_rank)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -17,6 +17,9 @@ From the per-op records of the meta-tensor forward (:mod:`vescale.planner.op_cos
   the host time of the DTensor redistribution around it (``redistribute_overhead_us``);
 * **pipeline_bubble**: ``(p - 1) / v`` micro-batch slots of the slowest stage for GPipe and
   1F1B (``v = 1``) and interleaved 1F1B (``v`` virtual stages), a third of 1F1B's for zero-bubble;
+  where ``r`` ranks share a core (CPU ranks outnumbering the cores) the ramp's idle ranks' cores
+  run the computing ones faster, so only ``(2 sum_j max(1/r, j/p) - (p-1)) / (p-1)`` of it shows
+  (``j = 1 .. p-1``; all of it at ``r = 1``, none at ``r >= p``);
   **pipeline_p2p**: two activation sends per micro-batch;
 * **data_parallel**: what the runtime does not hide: the gradient all-reduce (ZeRO-0/1) or
   reduce-scatter (ZeRO-2) beyond the last micro-batch's backward it overlaps with, plus
@@ -36,7 +39,8 @@ From the per-op records of the meta-tensor forward (:mod:`vescale.planner.op_cos
 * **optimizer**: AdamW reads and writes ~28 bytes per local fp32 element (32 with bf16
   masters), memory-bound, plus the profile's eager ops per parameter tensor (CPU: ~12).
 
-Collectives are alpha-beta rings on the links their axis spans (:mod:`._collectives`). Model
+Collectives are alpha-beta rings on the links their axis spans (:mod:`._collectives`), each
+plus the profile's wait for its last member (ranks sharing cores arrive a time slice apart). Model
 FLOPs (for MFU) are 3x the forward's matmul and full attention FLOPs: no recomputation.
 
 Example::
@@ -359,7 +363,7 @@ def predict_step(
             "compute": microbatches * compute,
             "recompute": microbatches * rerun,
             "tensor_parallel": microbatches * tensor_parallel,
-            "pipeline_bubble": _bubble_slots(choices.schedule, pp, virtual_stages) * slot,
+            "pipeline_bubble": 0.0,  # below, once the stage's other parts are known
             "pipeline_p2p": 0.0,
             "data_parallel": data_parallel,
             "optimizer": optimizer,
@@ -373,6 +377,11 @@ def predict_step(
             parts_of_stage["pipeline_p2p"] = (
                 2 * microbatches * virtual_stages * p2p_seconds(pp_link, activation)
             )
+        parts_of_stage["pipeline_bubble"] = (
+            _bubble_slots(choices.schedule, pp, virtual_stages)
+            * slot
+            * _bubble_share(hardware.ranks_per_core, pp)
+        )
         total = sum(parts_of_stage.values())
         if worst is None or total > worst[0]:
             worst = (total, parts_of_stage)
@@ -391,6 +400,21 @@ def _bubble_slots(schedule: str, pp: int, virtual_stages: int) -> float:
     if schedule == "interleaved_1f1b":
         return (pp - 1) / virtual_stages
     return float(pp - 1)
+
+
+def _bubble_share(ranks_per_core: float, pp: int) -> float:
+    """The share of a pipeline's bubble that shows where ``ranks_per_core`` ranks share each core.
+
+    The ramp of ``p`` stages has ``p - 1`` slots in which ``j = 1 .. p-1`` stages compute (and as
+    many as it drains): those ranks get the idle ranks' cores, up to one each, so they run
+    ``min(r, p / j)`` times faster than when every rank computes. The step is then
+    ``2 sum_j max(1/r, j/p) - (p - 1)`` slots longer than its compute instead of ``p - 1``:
+    all of the bubble at ``r = 1`` (a device a rank), none at ``r >= p``.
+    """
+    if pp == 1 or ranks_per_core <= 1:
+        return 1.0
+    ramp = sum(max(1 / ranks_per_core, j / pp) for j in range(1, pp))
+    return (2 * ramp - (pp - 1)) / (pp - 1)
 
 
 def _data_parallel_seconds(

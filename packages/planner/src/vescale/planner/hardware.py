@@ -44,7 +44,7 @@ _DTYPE_NAMES = {
 }
 
 
-_MAY_BE_ZERO = ("optimizer_ops_per_tensor", "redistribute_overhead_us")
+_MAY_BE_ZERO = ("optimizer_ops_per_tensor", "redistribute_overhead_us", "collective_wait_us")
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,22 @@ class HardwareProfile:
     """Host microseconds a DTensor redistribution adds to each tensor-parallel collective (its
     planning, copies and autograd wrapping), measured on CPU ranks; 0 where the host runs ahead
     of the device, as on GPUs."""
-    reduce_scatter_is_all_reduce: bool = False
-    """Whether the backend runs a reduce-scatter as a whole all-reduce (gloo, which
-    :func:`calibrate_cpu`'s ranks use; NCCL has a ring reduce-scatter, half the traffic)."""
+    collective_wait_us: float = 0.0
+    """Microseconds a collective of all ``devices_per_node`` ranks waits for its last member, beyond
+    the ring's own steps, where the ranks share cores and reach it a time slice apart (measured on
+    CPU ranks that outnumber the cores: 2-3 ms with 4 ranks on 2 cores, 5-8 ms with 8); smaller
+    collectives wait less (:mod:`._collectives`); 0 on devices of their own, whose ranks run in step."""
+    ranks_per_core: float = 1.0
+    """How many ranks share one core (``calibrate_cpu``: the ranks over this machine's cores, where
+    they outnumber them); 1 where each rank has a device of its own. A rank idle in a pipeline
+    bubble then yields its core to the others instead of leaving it idle."""
+    all_gather_factor: float = 1.0
+    """The backend's all-gather time over a ring all-gather's on the same links (``(n-1) alpha +
+    (n-1)/n * bytes / beta`` with the all-reduce's alpha and beta): 1 for NCCL's rings; measured
+    on CPU ranks (gloo, 8 MiB: 1.0-1.4 at 4 ranks, 2.5 at 8)."""
+    reduce_scatter_factor: float = 1.0
+    """The same for the reduce-scatter: 1 for NCCL; gloo has no ring reduce-scatter and PyTorch
+    runs a whole all-reduce and more for it (8 MiB: 2.3-2.6 at 4 ranks, 5 at 8)."""
     attention_efficiency: float | None = None
     """The fraction of peak FLOP/s fused attention reaches at large head dimensions (its FLOPs
     counted as the model counts them: half the scores when causal); ``None``: the matmul curve's
@@ -307,8 +320,11 @@ def calibrate_cpu(world_size: int = 2) -> HardwareProfile:
         dtensor_op_overhead_us=measured["dtensor_op_overhead_s"] * 1e6,
         overlaps_communication=False,
         optimizer_ops_per_tensor=12.0,
-        reduce_scatter_is_all_reduce=bool(measured["reduce_scatter_is_all_reduce"]),
+        ranks_per_core=max(1.0, world_size / measured["cores"]),
+        all_gather_factor=measured["all_gather_factor"],
+        reduce_scatter_factor=measured["reduce_scatter_factor"],
         redistribute_overhead_us=measured["redistribute_overhead_s"] * 1e6,
+        collective_wait_us=measured["collective_wait_s"] * 1e6,
         attention_efficiency=measured["attention_efficiency"],
         attention_half_dim=measured["attention_half_dim"],
         source=f"measured on this machine for {world_size} gloo ranks (vescale plan --calibrate)",

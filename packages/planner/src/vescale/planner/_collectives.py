@@ -43,7 +43,7 @@ class AxisLink:
     gather_factor: float = 1.0
     """The backend's all-gather time over a ring all-gather's (1 for NCCL; measured for gloo)."""
     scatter_factor: float = 1.0
-    """The backend's reduce-scatter time over a ring reduce-scatter's (1 for NCCL; gloo: 2.5-5)."""
+    """The backend's reduce-scatter time over a ring reduce-scatter's (1 for NCCL; gloo: 3-4.6)."""
     wait: float = 0.0
     """Seconds each collective waits for its last member (ranks sharing cores; 0 on devices)."""
 

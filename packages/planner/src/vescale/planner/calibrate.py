@@ -1,9 +1,9 @@
 """Measure this machine as ``world_size`` CPU ranks see it: matmul FLOP/s, fused attention's
 efficiency by head dimension, memory bandwidth, the host cost of one op, gloo all-reduce
-latency and bandwidth, what a DTensor redistribution adds to the collective it runs, and how
-long a collective waits for its last member when the ranks come to it from computing, and the
+latency and bandwidth, what a DTensor redistribution adds to the collective it runs, how long
+a collective waits for its last member when the ranks come to it from computing, and the
 backend's flat all-gather and reduce-scatter against a ring's time (gloo has no ring
-reduce-scatter: 2.5-5x).
+reduce-scatter: 3-4x).
 
 One rank measures the compute figures alone on a core (one intra-op thread, as veScale's CPU
 ranks run) while the others wait. Then every rank runs a small training step at once, and the
@@ -14,7 +14,7 @@ figure on every rank at once instead caught the others' time slices at random: 8
 cores measured from 27 to 51 GFLOP/s a rank from run to run.)
 The same step followed by a small all-reduce, against each of them alone, gives how long a
 collective waits for its last member: ranks that outnumber the cores reach it a scheduler time
-slice apart (2 ms at 4 ranks, 4-5 ms at 8 on 2 cores), a wait no ring step measured apart shows.
+slice apart (2-4 ms at 4 ranks, 5-8 ms at 8 on 2 cores), a wait no collective timed alone shows.
 Fused attention is fitted to ``e(d) = efficiency * d / (d + half_dim)`` of the fp32 matmul
 peak from causal calls at head dimensions 16 and 64. A matmul is fitted to
 ``t = overhead + flops / peak`` from square matmuls of side 64 and 512; the all-reduce to

@@ -363,7 +363,9 @@ def predict_step(
             "compute": microbatches * compute,
             "recompute": microbatches * rerun,
             "tensor_parallel": microbatches * tensor_parallel,
-            "pipeline_bubble": 0.0,  # below, once the stage's other parts are known
+            "pipeline_bubble": _bubble_slots(choices.schedule, pp, virtual_stages)
+            * slot
+            * _bubble_share(hardware.ranks_per_core, pp),
             "pipeline_p2p": 0.0,
             "data_parallel": data_parallel,
             "optimizer": optimizer,
@@ -377,11 +379,6 @@ def predict_step(
             parts_of_stage["pipeline_p2p"] = (
                 2 * microbatches * virtual_stages * p2p_seconds(pp_link, activation)
             )
-        parts_of_stage["pipeline_bubble"] = (
-            _bubble_slots(choices.schedule, pp, virtual_stages)
-            * slot
-            * _bubble_share(hardware.ranks_per_core, pp)
-        )
         total = sum(parts_of_stage.values())
         if worst is None or total > worst[0]:
             worst = (total, parts_of_stage)

@@ -102,7 +102,7 @@ class HardwareProfile:
     collective_wait_us: float = 0.0
     """Microseconds a collective of all ``devices_per_node`` ranks waits for its last member, beyond
     the ring's own steps, where the ranks share cores and reach it a time slice apart (measured on
-    CPU ranks that outnumber the cores: 2-3 ms with 4 ranks on 2 cores, 5-8 ms with 8); smaller
+    CPU ranks that outnumber the cores: 2-4 ms with 4 ranks on 2 cores, 5-8 ms with 8); smaller
     collectives wait less (:mod:`._collectives`); 0 on devices of their own, whose ranks run in step."""
     ranks_per_core: float = 1.0
     """How many ranks share one core (``calibrate_cpu``: the ranks over this machine's cores, where
@@ -111,10 +111,10 @@ class HardwareProfile:
     all_gather_factor: float = 1.0
     """The backend's all-gather time over a ring all-gather's on the same links (``(n-1) alpha +
     (n-1)/n * bytes / beta`` with the all-reduce's alpha and beta): 1 for NCCL's rings; measured
-    on CPU ranks (gloo, 8 MiB: 1.0-1.4 at 4 ranks, 2.5 at 8)."""
+    on CPU ranks (gloo, 8 MiB: 1.5-1.7 at 4 ranks, 1.3-1.9 at 8)."""
     reduce_scatter_factor: float = 1.0
     """The same for the reduce-scatter: 1 for NCCL; gloo has no ring reduce-scatter and PyTorch
-    runs a whole all-reduce and more for it (8 MiB: 2.3-2.6 at 4 ranks, 5 at 8)."""
+    runs a whole all-reduce and more for it (8 MiB: 2.8-3.0 at 4 ranks, 3.7-4.6 at 8)."""
     attention_efficiency: float | None = None
     """The fraction of peak FLOP/s fused attention reaches at large head dimensions (its FLOPs
     counted as the model counts them: half the scores when causal); ``None``: the matmul curve's

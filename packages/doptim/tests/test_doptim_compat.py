@@ -36,22 +36,33 @@ def test_end_of_backward_callback_runs_once_after_the_last_gradient():
     assert events == ["grad", "end"]
 
 
-def test_fsdp_post_backward_passes_a_missing_gradient_on_as_missing():
+def test_fsdp_post_backward_passes_a_missing_gradient_on_as_missing_in_vescale_units_only():
     # Installed twice: the second call keeps the first replacement.
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-    _compat.unmaterialized_fsdp_post_backward()
+    ours, theirs = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    _compat.unmaterialized_fsdp_post_backward(ours)
     installed = _fsdp_param_group.RegisterPostBackwardFunction
-    _compat.unmaterialized_fsdp_post_backward()
+    _compat.unmaterialized_fsdp_post_backward(ours)
     assert _fsdp_param_group.RegisterPostBackwardFunction is installed
 
     class _Group:
+        def __init__(self, unit: torch.nn.Module) -> None:
+            self.modules = (unit,)
+
         def post_backward(self) -> None:
             calls.append("post_backward")
 
     calls: list[str] = []
-    used, unused = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
-    used_out, _ = installed.apply(_Group(), used * 1, unused * 1)
-    (used_out * 3).sum().backward()
-    assert calls == ["post_backward"] and unused.grad is None  # not zeros: no gradient reached it
-    assert torch.equal(used.grad, torch.full((2,), 3.0))
+    for unit, unused_gradient in ((ours, None), (theirs, torch.zeros(2))):
+        used, unused = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+        used_out, _ = installed.apply(_Group(unit), used * 1, unused * 1)
+        (used_out * 3).sum().backward()
+        assert torch.equal(used.grad, torch.full((2,), 3.0))
+        # veScale's unit: no gradient reached the unused input (not zeros). Another FSDP2 model in the
+        # same process: torch's own behaviour, materialised zeros.
+        if unused_gradient is None:
+            assert unused.grad is None
+        else:
+            assert torch.equal(unused.grad, unused_gradient)
+    assert calls == ["post_backward", "post_backward"]

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import importlib
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -55,8 +56,18 @@ def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
 _FSDP_PARAM_GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 
 
-def unmaterialized_fsdp_post_backward() -> None:
-    """Make FSDP2's ``RegisterPostBackwardFunction`` pass a missing gradient on as missing (idempotent).
+# The modules of the models veScale shards at ZeRO-3: only FSDP2 units among them leave a missing
+# gradient missing; any other FSDP2 model in the process keeps torch's behaviour.
+_UNMATERIALIZED_MODULES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def _leaves_missing_gradients_missing(param_group: Any) -> bool:
+    return any(module in _UNMATERIALIZED_MODULES for module in getattr(param_group, "modules", ()))
+
+
+def unmaterialized_fsdp_post_backward(model: torch.nn.Module) -> None:
+    """Make FSDP2's ``RegisterPostBackwardFunction`` pass a missing gradient on as missing for the
+    units inside ``model`` (idempotent; other FSDP2 models in the process are left as torch runs them).
 
     FSDP2 runs every input of a unit that requires grad through one autograd function (to reduce
     the unit's gradients after its backward). An input the unit does not use (Zamba2's first
@@ -64,11 +75,14 @@ def unmaterialized_fsdp_post_backward() -> None:
     autograd materialises one as plain zeros of the global shape; added to the DTensor gradient
     from the input's other uses, it fails: "aten.add.Tensor got mixed torch.Tensor and DTensor".
     Without materialisation the input simply receives no gradient from the unit, as without FSDP.
+    The replacement decides per unit: changing every FSDP2 unit of the process broke a
+    hand-written TP + FSDP2 model trained beside a veScale one (``tools/bench/e2e.py``).
 
     Example::
 
-        unmaterialized_fsdp_post_backward()   # before fully_shard on a tensor-parallel model
+        unmaterialized_fsdp_post_backward(model)   # before fully_shard on a tensor-parallel model
     """
+    _UNMATERIALIZED_MODULES.update(model.modules())
     module = importlib.import_module(_FSDP_PARAM_GROUP)
     original: Any = getattr(module, "RegisterPostBackwardFunction", None)
     if not (isinstance(original, type) and issubclass(original, torch.autograd.Function)):
@@ -85,6 +99,7 @@ def unmaterialized_fsdp_post_backward() -> None:
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
             original.setup_context(ctx, inputs, output)
-            ctx.set_materialize_grads(False)
+            if _leaves_missing_gradients_missing(inputs[0]):
+                ctx.set_materialize_grads(False)
 
     setattr(module, "RegisterPostBackwardFunction", _UnmaterializedPostBackward)  # noqa: B010

@@ -232,7 +232,7 @@ def _apply_zero3(
 ) -> FullyShardedState:
     on_mesh = any(isinstance(param, DTensor) for param in model.parameters())
     dims = dp_mesh_dims(device_mesh, mesh_dim)
-    _compat.unmaterialized_fsdp_post_backward()
+    _compat.unmaterialized_fsdp_post_backward(model)
     if len(dims) > 1:
         if not on_mesh or getattr(torch.distributed.fsdp, "DataParallelMeshDims", None) is None:
             raise DataParallelConfigError(

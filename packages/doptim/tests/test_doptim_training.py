@@ -14,11 +14,14 @@ buckets and parameters that straddle ZeRO chunks.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from vescale.doptim import DistributedOptimizer, clip_grad_norm_, data_parallel
+from vescale.doptim import DistributedOptimizer, clip_grad_norm_, data_parallel, zero
 from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.models.mlp import build_tiny_mlp, mlp_batches, mse_loss
@@ -77,8 +80,12 @@ def sgd_first_step_gradients(zero_stage: int) -> dict[str, torch.Tensor]:
 
 
 def parallel_training(
-    zero_stage: int,
+    zero_stage: int, publish_by_broadcast: bool = True
 ) -> tuple[dict[str, torch.Tensor], list[float], dict[str, torch.Tensor]]:
+    if not publish_by_broadcast:
+        # Publish the stepped chunks by all-gather (NCCL's path) on gloo too; restored after the run.
+        with _no_broadcast_backends():
+            return parallel_training(zero_stage)
     dp_size, rank = dist.get_world_size(), dist.get_rank()
     model = data_parallel_mlp(dp_size, zero_stage)
     optimizer = DistributedOptimizer(make_optimizer(model))
@@ -95,13 +102,29 @@ def parallel_training(
     return full_parameters(model), norms, sgd_first_step_gradients(zero_stage)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+@contextlib.contextmanager
+def _no_broadcast_backends() -> Iterator[None]:
+    saved, zero.BROADCAST_BACKENDS = zero.BROADCAST_BACKENDS, frozenset()
+    try:
+        yield
+    finally:
+        zero.BROADCAST_BACKENDS = saved
+
+
+@pytest.mark.parametrize(
+    ("zero_stage", "publish_by_broadcast"),
+    [(0, True), (1, True), (1, False), (2, True), (2, False), (3, True)],
+    ids=["zero0", "zero1-broadcast", "zero1-all-gather", "zero2-broadcast", "zero2-all-gather", "zero3"],
+)
 @pytest.mark.parametrize("dp_size", [2, 4])
-def test_adamw_with_clipping_matches_single_process(dp_size, zero_stage):
+def test_adamw_with_clipping_matches_single_process(dp_size, zero_stage, publish_by_broadcast):
+    # ZeRO 1-2 publish the stepped chunks by broadcasts on gloo and by all-gathers elsewhere (NCCL):
+    # both paths run here.
     reference = reference_training()
     assert max(reference.grad_norms) > MAX_NORM
-    label = f"dp={dp_size} zero={zero_stage}"
-    for params, norms, gradients in run_on_ranks(parallel_training, world_size=dp_size, args=(zero_stage,)):
+    label = f"dp={dp_size} zero={zero_stage} broadcast={publish_by_broadcast}"
+    arguments = (zero_stage, publish_by_broadcast)
+    for params, norms, gradients in run_on_ranks(parallel_training, world_size=dp_size, args=arguments):
         for norm, reference_norm in zip(norms, reference.grad_norms, strict=True):
             assert abs(norm - reference_norm) <= NORM_RTOL * reference_norm
         worst = assert_close_by_fqn(params, reference.parameters, PARAM_RTOL, f"{label} parameter")

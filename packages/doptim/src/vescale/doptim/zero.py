@@ -5,7 +5,11 @@ each parameter inside its chunk of the parameter's bucket (a ragged range, possi
 empty). The stepped tensor (the *master*) is a view of the parameter's own storage when
 the master dtype is the parameter's, so a step updates the parameter in place, or a
 separate copy (fp32 master weights for bf16 parameters). After the step, stages 1 and 2
-all-gather each bucket's updated chunks into every rank's parameters.
+hand every rank the updated chunks: one all-gather per bucket, or, where the backend's
+broadcast is faster than its all-gather (gloo, whose flat all-gather measured 34-53 ms against
+22-26 ms for one broadcast per rank, 24 MiB over 4 ranks on 2 cores), a broadcast of each
+chunk owner's range of each parameter straight into the parameters (no gathered buffer, as
+``torch.distributed.optim.ZeroRedundancyOptimizer`` does).
 
 Example::
 
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from vescale.doptim.buckets import Bucket, ParamSlot, local_tensor
@@ -27,7 +32,14 @@ from vescale.doptim.ddp import DDP
 from vescale.doptim.errors import DataParallelConfigError
 from vescale.doptim.reduction import all_gather_flat
 
-__all__ = ["MAX_GATHERS_IN_FLIGHT", "ParamShard", "build_param_shards", "load_grads", "publish_params"]
+__all__ = [
+    "BROADCAST_BACKENDS",
+    "MAX_GATHERS_IN_FLIGHT",
+    "ParamShard",
+    "build_param_shards",
+    "load_grads",
+    "publish_params",
+]
 
 
 @dataclass
@@ -98,6 +110,10 @@ def load_grads(ddp: DDP, shards: dict[int, ParamShard]) -> None:
         shard.master.grad = source if source.dtype == shard.master.dtype else source.to(shard.master.dtype)
 
 
+# Backends whose broadcasts (one per chunk owner) beat their flat all-gather: stages 1-2 publish
+# the stepped ranges by broadcast there.
+BROADCAST_BACKENDS = frozenset({"gloo"})
+
 # Parameter all-gathers in flight at once: each holds a full-size bucket, so two keep one
 # collective running while the previous bucket is copied out, and the temporary memory of
 # publishing is two buckets whatever the model size.
@@ -122,14 +138,39 @@ def _finish_gather(bucket: Bucket, gathered: torch.Tensor, work: Any) -> None:
         local_tensor(slot.param).view(-1).copy_(gathered[slot.offset : slot.offset + slot.numel])
 
 
+def _publish_by_broadcast(ddp: DDP, shards: dict[int, ParamShard]) -> None:
+    """Every chunk owner broadcasts its range of each parameter in place; all in flight, then waited."""
+    works = []
+    for bucket in ddp.buckets:
+        reduction = bucket.reduction_group
+        for slot in bucket.slots:
+            flat = local_tensor(slot.param).detach().view(-1)
+            for owner in range(reduction.size):
+                start, end = slot.range_in_chunk(*bucket.chunk_range(owner))
+                if start == end:
+                    continue
+                piece = flat[start:end]
+                shard = shards[id(slot.param)]
+                if owner == reduction.rank and not shard.master_is_view:
+                    piece.copy_(shard.master)
+                if reduction.size > 1:
+                    works.append(dist.broadcast(piece, group=reduction.group, group_src=owner, async_op=True))
+    for work in works:
+        work.wait()
+
+
 @torch.no_grad()
 def publish_params(ddp: DDP, shards: dict[int, ParamShard]) -> None:
-    """Write the stepped masters into the parameters: copies where needed, all-gathers under stages 1-2
-    (bucket by bucket, at most ``MAX_GATHERS_IN_FLIGHT`` full buckets allocated at once)."""
+    """Write the stepped masters into the parameters: copies where needed; under stages 1-2 the chunks
+    reach every rank by broadcasts on :data:`BROADCAST_BACKENDS`, else by all-gathers (bucket by
+    bucket, at most ``MAX_GATHERS_IN_FLIGHT`` full buckets allocated at once)."""
     if ddp.zero_stage == 0:
         for shard in shards.values():
             if not shard.master_is_view:
                 local_tensor(shard.param).view(-1).copy_(shard.master)
+        return
+    if ddp.buckets and dist.get_backend(ddp.buckets[0].reduction_group.group) in BROADCAST_BACKENDS:
+        _publish_by_broadcast(ddp, shards)
         return
     pending: deque[tuple[Bucket, torch.Tensor, Any]] = deque()
     for bucket in ddp.buckets:

@@ -2,7 +2,8 @@
 
 Every bench that ``tools/bench/run_all.py`` runs takes ``--json PATH`` and writes a list of
 these rows there; run_all prints them in one table and ``--check`` fails on a missed goal.
-A bench's command line starts from :func:`bench_parser`, its module docstring as the help.
+A bench's command line starts from :func:`bench_parser`, its module docstring as the help; its
+``--malloc`` option (see :data:`MALLOC_SETTINGS`) sets glibc's allocator for the rank processes.
 
 Example::
 
@@ -14,23 +15,60 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["bench_parser", "bench_row", "write_rows"]
+__all__ = ["MALLOC_SETTINGS", "BenchParser", "bench_parser", "bench_row", "write_rows"]
+
+# glibc's malloc serves a block of at least its mmap threshold by mmap (fresh pages, faulted in on
+# first touch, returned on free) and the rest from its heap, which it trims above the trim
+# threshold. Both start at 128 KiB and 256 KiB and move up to the largest mmap'ed block the
+# process has freed so far (at most 32 MiB, and twice that for the trim). A step's temporaries
+# are then either reused or faulted in again every step, depending on what a side happened to free
+# once before: torch DDP frees its first 24 MiB bucket when it rebuilds them, our DDP keeps its
+# buckets, and in dp_step's 6 x Linear(1024, 1024) step that alone put 11,104 page faults (4 KiB
+# each, AdamW's 4 MiB temporaries) into every one of our optimizer steps and none into DDP's (34
+# against 16 ms of CPU time). "steady" fixes the two thresholds where glibc settles by itself once
+# a 32 MiB block has been freed (any model whose activations pass 32 MiB), the same for both sides;
+# "default" leaves glibc's own history-dependent state. A MALLOC_* variable set by the caller wins.
+MALLOC_SETTINGS: dict[str, dict[str, str]] = {
+    "steady": {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(64 * 2**20)},
+    "default": {},
+}
 
 
-def bench_parser(description: str | None) -> argparse.ArgumentParser:
-    """A bench's argument parser, whose ``--help`` prints ``description`` (its module docstring) as written.
+class BenchParser(argparse.ArgumentParser):
+    """An argument parser with ``--malloc``, applied (into ``os.environ``, for the rank processes that
+    the bench starts afterwards) when the arguments are parsed."""
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """Parse, then set the allocator variables of ``--malloc`` where the caller has not."""
+        arguments = super().parse_args(args, namespace)
+        for name, value in MALLOC_SETTINGS[arguments.malloc].items():
+            os.environ.setdefault(name, value)
+        return arguments
+
+
+def bench_parser(description: str | None) -> BenchParser:
+    """A bench's argument parser, whose ``--help`` prints ``description`` (its module docstring) as written,
+    with ``--malloc`` (default ``steady``, see :data:`MALLOC_SETTINGS`).
 
     Example::
 
         parser = bench_parser(__doc__)
         parser.add_argument("--steps", type=int, default=3)
     """
-    return argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = BenchParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--malloc",
+        choices=list(MALLOC_SETTINGS),
+        default="steady",
+        help="glibc allocator thresholds for the rank processes: fixed at glibc's settled values for "
+        "both sides (steady) or glibc's history-dependent defaults (default)",
     )
+    return parser
 
 
 def bench_row(

@@ -445,9 +445,9 @@ def print_main_rows(scratch: Path, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from bench_rows import bench_parser
+
+    parser = bench_parser(__doc__)
     parser.add_argument("--mib", type=int, default=512, help="size of the large state, in 64 tensors")
     parser.add_argument("--small-count", type=int, default=4096, help="number of 16 KiB tensors")
     parser.add_argument("--directory", default=None, help="where to write (default: a temporary directory)")

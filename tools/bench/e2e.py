@@ -40,7 +40,6 @@ measured in a run of its own in fresh rank processes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -244,9 +243,9 @@ def peak_on_ranks(variant: str, hidden: int, layers: int, batch: int, seq: int, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from bench_rows import bench_parser
+
+    parser = bench_parser(__doc__)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4, help="rows per dp rank")

@@ -38,7 +38,6 @@ the embedding's backward. The blocks' bytes are compared with the Megatron formu
 
 from __future__ import annotations
 
-import argparse
 import copy
 import cProfile
 import dataclasses
@@ -474,9 +473,9 @@ def report(tp: int, sequence_parallel: bool, size: ModelSize, result: dict) -> b
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from bench_rows import bench_parser
+
+    parser = bench_parser(__doc__)
     parser.add_argument(
         "--tp", type=int, nargs="+", default=[4, 2], help="TP sizes (each on that many ranks)"
     )

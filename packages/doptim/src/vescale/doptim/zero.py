@@ -138,6 +138,15 @@ def _finish_gather(bucket: Bucket, gathered: torch.Tensor, work: Any) -> None:
         local_tensor(slot.param).view(-1).copy_(gathered[slot.offset : slot.offset + slot.numel])
 
 
+def _backend(group: Any) -> str | None:
+    """The group's backend name; ``None`` for a group the default one does not know (the all-gather
+    path, which needs no rank translation, takes those)."""
+    try:
+        return str(dist.get_backend(group))
+    except ValueError:
+        return None
+
+
 def _publish_by_broadcast(ddp: DDP, shards: dict[int, ParamShard]) -> None:
     """Every chunk owner broadcasts its range of each parameter in place; all in flight, then waited."""
     works = []
@@ -169,7 +178,7 @@ def publish_params(ddp: DDP, shards: dict[int, ParamShard]) -> None:
             if not shard.master_is_view:
                 local_tensor(shard.param).view(-1).copy_(shard.master)
         return
-    if ddp.buckets and dist.get_backend(ddp.buckets[0].reduction_group.group) in BROADCAST_BACKENDS:
+    if ddp.buckets and _backend(ddp.buckets[0].reduction_group.group) in BROADCAST_BACKENDS:
         _publish_by_broadcast(ddp, shards)
         return
     pending: deque[tuple[Bucket, torch.Tensor, Any]] = deque()

@@ -4,7 +4,11 @@ Under expert parallelism the batch is split over dp x ep, and every non-expert g
 averaged over all of those ranks; a ``DeviceMesh`` has a process group per dim only. The
 group over several dims is made once per mesh and dims with ``torch.distributed.new_group``
 (every rank creates every group of the mesh, in the same order, as ``new_group`` requires)
-and kept for the life of the mesh.
+and kept for the life of that mesh object in that process group world: ``DeviceMesh`` compares
+by value, so an equal mesh of a later world (after ``destroy_process_group`` and a new
+``init_process_group``) must not find the destroyed world's groups, and whether an equal older
+mesh is still alive (a reference cycle awaiting the collector) may differ between ranks, which
+must never decide whether a rank calls the collective ``new_group``.
 
 Example::
 
@@ -24,7 +28,9 @@ from vescale.doptim.errors import DataParallelMeshError
 
 __all__ = ["mesh_dim_names", "mesh_dims_group"]
 
-_GROUPS: weakref.WeakKeyDictionary[DeviceMesh, dict[tuple[str, ...], Any]] = weakref.WeakKeyDictionary()
+# id(mesh) -> (the default process group the groups were made in, groups by dims); an entry
+# leaves with its mesh.
+_GROUPS: dict[int, tuple[Any, dict[tuple[str, ...], Any]]] = {}
 
 
 def mesh_dim_names(mesh: DeviceMesh) -> tuple[str, ...]:
@@ -49,6 +55,18 @@ def _flattened_rank(mesh: DeviceMesh, dims: Sequence[str]) -> int:
     return rank
 
 
+def _groups_of(mesh: DeviceMesh) -> dict[tuple[str, ...], Any]:
+    world = dist.group.WORLD
+    entry = _GROUPS.get(id(mesh))
+    if entry is None:
+        weakref.finalize(mesh, _GROUPS.pop, id(mesh), None)
+    elif entry[0] is world:
+        return entry[1]
+    groups: dict[tuple[str, ...], Any] = {}
+    _GROUPS[id(mesh)] = (world, groups)
+    return groups
+
+
 def mesh_dims_group(mesh: DeviceMesh, dims: Sequence[str]) -> tuple[Any, int, int]:
     """``(process group, size, this rank's index in it)`` over the mesh dims ``dims`` (outer first).
 
@@ -68,7 +86,7 @@ def mesh_dims_group(mesh: DeviceMesh, dims: Sequence[str]) -> tuple[Any, int, in
     size = 1
     for dim in dims:
         size *= mesh.size(names.index(dim))
-    cache = _GROUPS.setdefault(mesh, {})
+    cache = _groups_of(mesh)
     if dims not in cache:
         indices = [names.index(dim) for dim in dims]
         others = [index for index in range(mesh.ndim) if index not in indices]

@@ -138,15 +138,6 @@ def _finish_gather(bucket: Bucket, gathered: torch.Tensor, work: Any) -> None:
         local_tensor(slot.param).view(-1).copy_(gathered[slot.offset : slot.offset + slot.numel])
 
 
-def _backend(group: Any) -> str | None:
-    """The group's backend name; ``None`` for a group the default one does not know (the all-gather
-    path, which needs no rank translation, takes those)."""
-    try:
-        return str(dist.get_backend(group))
-    except ValueError:
-        return None
-
-
 def _publish_by_broadcast(ddp: DDP, shards: dict[int, ParamShard]) -> None:
     """Every chunk owner broadcasts its range of each parameter in place; all in flight, then waited."""
     works = []
@@ -154,12 +145,12 @@ def _publish_by_broadcast(ddp: DDP, shards: dict[int, ParamShard]) -> None:
         reduction = bucket.reduction_group
         for slot in bucket.slots:
             flat = local_tensor(slot.param).detach().view(-1)
+            shard = shards[id(slot.param)]
             for owner in range(reduction.size):
                 start, end = slot.range_in_chunk(*bucket.chunk_range(owner))
                 if start == end:
                     continue
                 piece = flat[start:end]
-                shard = shards[id(slot.param)]
                 if owner == reduction.rank and not shard.master_is_view:
                     piece.copy_(shard.master)
                 if reduction.size > 1:
@@ -178,7 +169,7 @@ def publish_params(ddp: DDP, shards: dict[int, ParamShard]) -> None:
             if not shard.master_is_view:
                 local_tensor(shard.param).view(-1).copy_(shard.master)
         return
-    if ddp.buckets and _backend(ddp.buckets[0].reduction_group.group) in BROADCAST_BACKENDS:
+    if ddp.buckets and str(dist.get_backend(ddp.buckets[0].reduction_group.group)) in BROADCAST_BACKENDS:
         _publish_by_broadcast(ddp, shards)
         return
     pending: deque[tuple[Bucket, torch.Tensor, Any]] = deque()

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from vescale.api._recompute import repeated_blocks
-from vescale.api._token_weights import loss_term_rule
+from vescale.api._token_weights import counts_tokens, loss_term_rule
 from vescale.api.errors import UnsupportedPlanError
 from vescale.doptim import data_parallel_of
 from vescale.doptim.mesh_groups import mesh_dims_group
@@ -108,6 +108,7 @@ class ParallelizedModel(ModuleWrapper):
         self.pipelined = pipelined
         # The user's own model names its loss function (a pipeline wrapper does not).
         self._count_terms = loss_term_rule(user_model)
+        self._counts_tokens = counts_tokens(user_model)
         # The batch is split over dp, and over ep too under expert parallelism.
         dims = tuple(dim for dim in ("dp", "ep") if dim in (mesh.mesh_dim_names or ()))
         group, self._dp_size, _ = mesh_dims_group(mesh, dims)
@@ -189,32 +190,45 @@ class ParallelizedModel(ModuleWrapper):
         counts = [self._count_terms(micro_batch) for micro_batch in micro_batches]
         if self.pipelined:
             return self._pipelined_forward(batch, counts)
+        if len(micro_batches) == 1:
+            return self._forward_one(batch, *counts[0])
+        # Every micro-batch's backward needs the global term count: one all-reduce before the first.
         terms = [count for count, _ in counts]
         local = torch.tensor([float(sum(terms)), float(any(unweighted for _, unweighted in counts))])
         total_terms, unweighted = self._all_reduce(local.to(torch.float64)).tolist()
-        if unweighted and (self._dp_size > 1 or len(micro_batches) > 1):
+        self._check_weighable(unweighted, pieces=len(micro_batches))
+        return self._forward_micro_batches(micro_batches, terms, total_terms)
+
+    def _check_weighable(self, unweighted: float, *, pieces: int) -> None:
+        """Refuse a loss whose terms vescale cannot count where the global batch has several pieces."""
+        if unweighted and (self._dp_size > 1 or pieces > 1):
             raise UnsupportedPlanError(
                 f"labels padded with -100, but {type(self.module).__name__}'s loss is not one whose terms "
                 "vescale can count (transformers' ForCausalLMLoss, ForMaskedLMLoss, ForTokenClassification): "
                 "the pieces of the global batch cannot be weighted, so gradients would differ from one "
                 "device; use unpadded labels, or dp=1 and micro_batch_size = global_batch_size"
             )
-        if len(micro_batches) == 1:
-            return self._forward_one(batch, terms[0], total_terms)
-        return self._forward_micro_batches(micro_batches, terms, total_terms)
 
     def _global_loss(self, weighted_local: torch.Tensor) -> torch.Tensor:
         """The sum over dp ranks of each rank's weighted loss (already divided by the global term count)."""
         value = _plain(weighted_local.detach()).to(torch.float64).reshape(1).clone()
         return self._all_reduce(value)[0].to(weighted_local.dtype)
 
-    def _forward_one(self, batch: dict[str, Any], terms: int, total_terms: float) -> Any:
+    def _forward_one(self, batch: dict[str, Any], terms: int, unweighted: bool) -> Any:
         output = self._run(batch)
         loss = _loss_of(output)
         if loss is None:
             return output
-        weighted = _plain(loss) * (terms / total_terms)
-        global_loss = self._global_loss(weighted)
+        local = _plain(loss)
+        # One all-reduce after the forward (none before it): the global term count, whether any
+        # rank's loss is one vescale cannot weight, and the sum of each rank's loss times its term
+        # count. Kept on the loss's device; the flag is read (a host sync) only where it can be set.
+        counts = torch.tensor([float(terms), float(unweighted)], dtype=torch.float64, device=local.device)
+        values = self._all_reduce(torch.cat([counts, local.detach().to(torch.float64).reshape(1) * terms]))
+        if not self._counts_tokens and self._dp_size > 1:
+            self._check_weighable(values[1].item(), pieces=1)
+        weighted = (local * (terms / values[0])).to(local.dtype)  # one rounding, in float64 until then
+        global_loss = (values[2] / values[0]).to(local.dtype)
         # The value is the global loss; the gradient is this rank's weighted share times dp (the
         # dp average divides by dp again), so backward() gives single-device gradients.
         scaled = weighted * self._dp_size

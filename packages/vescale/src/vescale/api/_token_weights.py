@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["IGNORE_INDEX", "LossTermRule", "loss_term_rule"]
+__all__ = ["IGNORE_INDEX", "LossTermRule", "counts_tokens", "loss_term_rule"]
 
 IGNORE_INDEX = -100
 """The label value that ``torch.nn.functional.cross_entropy`` (and ``transformers``) skip."""
@@ -63,6 +63,21 @@ _TOKEN_LOSSES = {
 }
 
 
+def _token_rule(model: nn.Module) -> LossTermRule | None:
+    loss_function = getattr(model, "loss_function", None)
+    return _TOKEN_LOSSES.get(getattr(loss_function, "__name__", ""))
+
+
+def counts_tokens(model: nn.Module) -> bool:
+    """Whether ``model``'s loss is one whose terms are counted per label (never refused as unweighted).
+
+    Example::
+
+        counts_tokens(LlamaForCausalLM(config))   # True: transformers' ForCausalLMLoss
+    """
+    return _token_rule(model) is not None
+
+
 def loss_term_rule(model: nn.Module) -> LossTermRule:
     """The rule that counts ``model``'s loss terms in a batch.
 
@@ -74,8 +89,7 @@ def loss_term_rule(model: nn.Module) -> LossTermRule:
 
         count, padded = loss_term_rule(model)({"input_ids": ids, "labels": labels})
     """
-    loss_function = getattr(model, "loss_function", None)
-    token_rule = _TOKEN_LOSSES.get(getattr(loss_function, "__name__", ""))
+    token_rule = _token_rule(model)
     if token_rule is None:
         return _row_terms
 

@@ -79,6 +79,23 @@ def _first_dtensor(value: Any) -> DTensor | None:
     return None
 
 
+def _scan(value: Any, found: list[Any]) -> None:
+    """Note in ``found`` (``[first DTensor or None, whether a plain tensor of rank >= 1 was seen]``)
+    what ``value`` holds, through lists, tuples and dicts, in one pass."""
+    if isinstance(value, torch.Tensor):
+        if isinstance(value, DTensor):
+            if found[0] is None:
+                found[0] = value
+        elif value.ndim:
+            found[1] = True
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _scan(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _scan(item, found)
+
+
 def _replicate_plain(value: Any, exemplar: DTensor) -> Any:
     if isinstance(value, DTensor):
         return value
@@ -110,12 +127,17 @@ class ReplicatePlainTensorsMode(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        exemplar = _first_dtensor(args)
-        if exemplar is None:
-            exemplar = _first_dtensor(kwargs)
+        # One pass over the arguments; most calls hold only DTensors and scalars, and are passed
+        # on without rebuilding their argument tuples.
+        found: list[Any] = [None, False]
+        _scan(args, found)
+        if kwargs:
+            _scan(kwargs, found)
+        exemplar, mixed = found
         if exemplar is not None:
-            args = _replicate_plain(args, exemplar)
-            kwargs = _replicate_plain(kwargs, exemplar)
+            if mixed:
+                args = _replicate_plain(args, exemplar)
+                kwargs = _replicate_plain(kwargs, exemplar)
             if func is torch.nn.functional.scaled_dot_product_attention:
                 args, kwargs = expand_unpaired_key_value_heads(args, kwargs)
             handled, value = read_replicated_values(func, args, kwargs)

@@ -116,6 +116,20 @@ def _group_sharing_parameters(blocks: list[nn.Module]) -> list[nn.Module | list[
     return units
 
 
+def _reshards_after_forward(
+    units: list[nn.Module | list[nn.Module]], unit: nn.Module | list[nn.Module]
+) -> bool | None:
+    """``fully_shard``'s ``reshard_after_forward`` for ``unit`` (of ``_fully_shard_units``).
+
+    The last block's backward comes first, right after the forward: resharding it would only
+    gather it again, so it stays gathered (torchtitan's choice). The root (the last unit) gets
+    FSDP2's default, ``None``, under which the root keeps its parameters gathered too.
+    """
+    if unit is units[-1]:
+        return None
+    return len(units) < 2 or unit is not units[-2]
+
+
 def _parameters_mesh_object(model: nn.Module, device_mesh: DeviceMesh) -> DeviceMesh:
     """The one mesh object the model's DTensor parameters carry, checked to equal ``device_mesh``.
 
@@ -201,10 +215,15 @@ def _apply_zero3_over_dims(
     spmd_mesh = _parameters_mesh_object(model, device_mesh)
     divisor = mesh_dims_group(device_mesh, dims)[1]
     special = _batch_sharded_units(model, dims)
+    units = _fully_shard_units(model)
     for unit, replicated in special:
         shard = replicated[0] if len(replicated) == 1 else replicated
         sharded_unit = fully_shard(
-            unit, mesh=spmd_mesh, dp_mesh_dims=mesh_dims_class(shard=shard), mp_policy=mp_policy
+            unit,
+            mesh=spmd_mesh,
+            dp_mesh_dims=mesh_dims_class(shard=shard),
+            mp_policy=mp_policy,
+            reshard_after_forward=_reshards_after_forward(units, unit),
         )
         # Divided by every batch rank, not by the dp ranks it is reduced over; a sum then a division
         # (gloo has no pre-multiplied sum, which a custom factor would otherwise use).
@@ -212,11 +231,15 @@ def _apply_zero3_over_dims(
         sharded_unit.set_force_sum_reduction_for_comms(True)
         if deterministic:
             _use_rank_ordered_reduce_scatter(sharded_unit)
-    for block_unit in _fully_shard_units(model):
+    for block_unit in units:
         if any(block_unit is done for done, _ in special):
             continue
         sharded_block = fully_shard(
-            block_unit, mesh=spmd_mesh, dp_mesh_dims=mesh_dims_class(shard=dims), mp_policy=mp_policy
+            block_unit,
+            mesh=spmd_mesh,
+            dp_mesh_dims=mesh_dims_class(shard=dims),
+            mp_policy=mp_policy,
+            reshard_after_forward=_reshards_after_forward(units, block_unit),
         )
         if deterministic:
             _use_rank_ordered_reduce_scatter(sharded_block)
@@ -258,13 +281,21 @@ def _apply_zero3(
         )
     spmd_mesh = _parameters_mesh_object(model, device_mesh) if on_mesh else device_mesh
     mp_policy = _mixed_precision_policy(model, compute_dtype)
-    for unit in _fully_shard_units(model):
+    units = _fully_shard_units(model)
+    for unit in units:
+        reshard = _reshards_after_forward(units, unit)
         if on_mesh and mesh_dims_class is not None:  # not None on a mesh: checked above
             sharded_unit = fully_shard(
-                unit, mesh=spmd_mesh, dp_mesh_dims=mesh_dims_class(shard=mesh_dim), mp_policy=mp_policy
+                unit,
+                mesh=spmd_mesh,
+                dp_mesh_dims=mesh_dims_class(shard=mesh_dim),
+                mp_policy=mp_policy,
+                reshard_after_forward=reshard,
             )
         else:
-            sharded_unit = fully_shard(unit, mesh=device_mesh[mesh_dim], mp_policy=mp_policy)
+            sharded_unit = fully_shard(
+                unit, mesh=device_mesh[mesh_dim], mp_policy=mp_policy, reshard_after_forward=reshard
+            )
         if deterministic:
             _use_rank_ordered_reduce_scatter(sharded_unit)
     gather_on_reentry(model)

@@ -23,6 +23,8 @@ Compared quantities and tolerances:
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import transformers
@@ -351,6 +353,46 @@ def test_bf16_run_saves_its_fp32_master_weights_and_resumes_bitwise_under_anothe
     results = run_on_ranks(
         _load_and_continue, world_size=2, args=("llama", path, bf16_plan(2)), timeout_s=300
     )
+    for rank, result in enumerate(results):
+        _assert_same_state(result["loaded"], saved[0]["saved"])
+        assert result["losses"] == saved[rank]["went_on"]["losses"], rank
+
+
+def _save_deferred_and_go_on(name: str, path: str, plan: Plan) -> dict:
+    """An async save with deferred copies, then ``RESUMED`` steps at once, then the save's result.
+
+    The saving thread starts its copies 0.3 s late, so that a step that did not wait for them
+    would change what they copy."""
+    from vescale.dcheckpoint import deferred_staging
+
+    plan, model, optimizer, scheduler, loader = _build(name, plan)
+    _train(model, optimizer, scheduler, loader, SAVE_AFTER)
+    state = {"plan": plan, "model": model, "optimizer": optimizer, "lr_scheduler": scheduler}
+    saved = _global_state(model, optimizer, scheduler, loader)
+    original_run = deferred_staging.DeferredCopies.run
+
+    def late_run(self) -> None:
+        time.sleep(0.3)
+        original_run(self)
+
+    deferred_staging.DeferredCopies.run = late_run  # this rank process only, restored below
+    try:
+        pending = vescale.save(path, {**state, "data_loader": loader}, async_save=True, defer_copies=True)
+        went_on = _train(model, optimizer, scheduler, loader, RESUMED)
+        pending.result(timeout=120)
+    finally:
+        deferred_staging.DeferredCopies.run = original_run
+    return {"saved": saved, "went_on": went_on}
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3], ids=["zero1", "zero3"])
+def test_an_async_save_with_deferred_copies_holds_the_state_of_its_call(tmp_path, zero_stage):
+    # The steps right after the save change every parameter; the checkpoint must hold the values
+    # of the save() call, bitwise (the optimizer steps wait for the saving thread's copies).
+    path = str(tmp_path / "step-3")
+    plan = data_parallel_plan(2, zero_stage)
+    saved = run_on_ranks(_save_deferred_and_go_on, world_size=2, args=("llama", path, plan), timeout_s=300)
+    results = run_on_ranks(_load_and_continue, world_size=2, args=("llama", path, plan), timeout_s=300)
     for rank, result in enumerate(results):
         _assert_same_state(result["loaded"], saved[0]["saved"])
         assert result["losses"] == saved[rank]["went_on"]["losses"], rank

@@ -84,16 +84,22 @@ def save(
     *,
     async_save: bool = False,
     keep_last: int | None = None,
+    defer_copies: bool = False,
 ) -> SaveResult | AsyncSave:
     """Save ``state`` (see the module docstring) to the new checkpoint directory ``path``, on every rank.
 
-    ``async_save`` and ``keep_last`` are ``vescale.dcheckpoint.save``'s: return once the state is
-    copied (an ``AsyncSave``) and delete all but the ``keep_last`` newest complete checkpoints.
+    ``async_save``, ``keep_last`` and ``defer_copies`` are ``vescale.dcheckpoint.save``'s: return
+    once the state is copied (an ``AsyncSave``); delete all but the ``keep_last`` newest complete
+    checkpoints; with ``defer_copies=True`` (async only) return before the parameters are copied,
+    which the saving thread copies while the next forward and backward run (the next optimizer
+    step waits for them), so that not even the first async save of a process blocks on faulting
+    in its staging memory. Until that step, change the parameters only through optimizer steps.
 
     Example::
 
         state = {"plan": plan, "model": model, "optimizer": optimizer, "lr_scheduler": scheduler}
         vescale.save("ckpt/step-000100", {**state, "data_loader": loader})
+        vescale.save("ckpt/step-000200", state, async_save=True, defer_copies=True)
     """
     checkpoint_state = _checkpoint_state(state)
     if PLAN_KEY in state:
@@ -104,7 +110,9 @@ def save(
                 f"{type(plan).__name__}; drop the key to save no plan"
             )
         checkpoint_state[PLAN_KEY] = plan.to_json(indent=None)
-    return save_checkpoint(path, checkpoint_state, async_save=async_save, keep_last=keep_last)
+    return save_checkpoint(
+        path, checkpoint_state, async_save=async_save, keep_last=keep_last, defer_copies=defer_copies
+    )
 
 
 def _saved_plan(index_objects: Mapping[str, Any], where: str) -> Plan | None:

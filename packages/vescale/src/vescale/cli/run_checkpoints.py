@@ -1,8 +1,10 @@
 """Periodic checkpoints of a ``vescale train`` run: where they go, which one a restart resumes from.
 
 A run saves ``<checkpoint-dir>/step-NNNNNN`` every ``--save-every`` steps through
-``vescale.save(..., async_save=True)`` (the ranks go on training while a background thread
-writes, fsyncs and commits) and once, synchronously, at its end step. dcheckpoint writes each
+``vescale.save(..., async_save=True, defer_copies=True)`` (the ranks go on training while a
+background thread copies the parameters, then writes, fsyncs and commits; the loop changes
+parameters only in optimizer steps, which wait for the copies) and once, synchronously, at its
+end step. dcheckpoint writes each
 checkpoint into a hidden directory and renames it when every rank's files are complete, then
 points ``latest`` at it (atomically) and only then deletes all but the ``--keep-last`` newest
 complete ones: a rank killed at any moment leaves every committed checkpoint whole.
@@ -95,7 +97,10 @@ class PeriodicCheckpoints:
         import vescale
 
         directory = step_directory(self.root, step)
-        vescale.save(directory, state, async_save=step != self.end_step, keep_last=self.keep_last)
+        in_background = step != self.end_step
+        vescale.save(
+            directory, state, async_save=in_background, keep_last=self.keep_last, defer_copies=in_background
+        )
         return directory
 
     def finish(self) -> None:

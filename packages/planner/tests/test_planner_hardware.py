@@ -52,6 +52,8 @@ def test_the_cpu_profile_is_measured_on_the_ranks():
     efficiency, half_dim = profile.attention_curve()
     assert 0 < efficiency <= 1 and half_dim > 0 and profile.attention_efficiency is not None
     assert profile.reduce_scatter_factor > 1.5 and profile.all_gather_factor > 0
+    # ZeRO-1/2 publish on gloo by in-place broadcasts: measured, not the all-gather's figure.
+    assert profile.zero_publish_factor > 0 and profile.zero_publish_factor != profile.all_gather_factor
     assert profile.redistribute_overhead_us >= 0 and profile.collective_wait_us >= 0
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "axis_link",
     "p2p_seconds",
     "reduce_scatter_seconds",
+    "zero_publish_seconds",
 ]
 
 
@@ -46,6 +47,8 @@ class AxisLink:
     """The backend's reduce-scatter time over a ring reduce-scatter's (1 for NCCL; gloo: 3-4.6)."""
     wait: float = 0.0
     """Seconds each collective waits for its last member (ranks sharing cores; 0 on devices)."""
+    publish_factor: float = 1.0
+    """ZeRO-1/2's parameter publish over a ring all-gather's (1 for NCCL; gloo broadcasts)."""
 
 
 def _wait_seconds(hardware: HardwareProfile, size: int) -> float:
@@ -71,7 +74,12 @@ def axis_link(
     """
     per_node = devices_per_node or hardware.devices_per_node
     crosses = size * stride > per_node and size > 1
-    backend = (hardware.all_gather_factor, hardware.reduce_scatter_factor, _wait_seconds(hardware, size))
+    backend = (
+        hardware.all_gather_factor,
+        hardware.reduce_scatter_factor,
+        _wait_seconds(hardware, size),
+        hardware.zero_publish_factor,
+    )
     if not crosses:
         return AxisLink(size, hardware.link_bandwidth(False), hardware.link_latency(False), False, *backend)
     members_per_node = max(1, min(size, per_node // stride))
@@ -98,6 +106,12 @@ def all_gather_seconds(link: AxisLink, nbytes: float) -> float:
     """All-gather of a ``nbytes`` result: ``(n-1) alpha + (n-1)/n * bytes / beta`` on a ring, times
     the backend's measured ``gather_factor``."""
     return _half_ring_seconds(link, nbytes, link.gather_factor)
+
+
+def zero_publish_seconds(link: AxisLink, nbytes: float) -> float:
+    """ZeRO-1/2 publishing ``nbytes`` of stepped parameters to every rank: the ring all-gather's
+    time, times the backend's measured ``publish_factor``."""
+    return _half_ring_seconds(link, nbytes, link.publish_factor)
 
 
 def reduce_scatter_seconds(link: AxisLink, nbytes: float) -> float:

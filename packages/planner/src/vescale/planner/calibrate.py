@@ -119,6 +119,31 @@ def _gather_and_scatter_factors(numel: int, trials: int = 5) -> tuple[float, flo
     return statistics.median(gathers), statistics.median(scatters)
 
 
+def _zero_publish_factor(numel: int, gather_factor: float, trials: int = 5) -> float:
+    """ZeRO-1/2's publish of ``numel`` stepped elements over a ring's time, as ``vescale.doptim``
+    publishes on this backend: on :data:`~vescale.doptim.zero.BROADCAST_BACKENDS` every chunk
+    owner broadcasts its ``1/n`` in place (all in flight, then waited), elsewhere the all-gather
+    (``gather_factor``); timed beside half the all-reduce of the same tensor, medians over ``trials``."""
+    from vescale.doptim.zero import BROADCAST_BACKENDS
+
+    if str(dist.get_backend()) not in BROADCAST_BACKENDS:
+        return gather_factor
+    world = dist.get_world_size()
+    whole = torch.ones(numel - numel % world)
+    chunks = whole.chunk(world)
+
+    def publish() -> None:
+        works = [dist.broadcast(chunk, src=owner, async_op=True) for owner, chunk in enumerate(chunks)]
+        for work in works:
+            work.wait()
+
+    factors = []
+    for _ in range(trials):
+        ring = _seconds(lambda: dist.all_reduce(whole), 3, together=True, trials=1) / 2
+        factors.append(_seconds(publish, 3, together=True, trials=1) / ring)
+    return statistics.median(factors)
+
+
 def _dtensor_op_seconds(leaf: torch.Tensor, mesh: DeviceMesh) -> float:
     """The same op on a DTensor (what tensor parallelism adds to every op), on a one-rank mesh."""
     from torch.distributed.tensor import DTensor, Replicate
@@ -235,10 +260,12 @@ def _measure_on_rank() -> dict[str, float]:
         figures["all_gather_factor"], figures["reduce_scatter_factor"] = _gather_and_scatter_factors(
             large_numel
         )
+        figures["zero_publish_factor"] = _zero_publish_factor(large_numel, figures["all_gather_factor"])
     else:
         figures["collective_latency_s"], figures["collective_bandwidth"] = 1e-5, 1e10
         figures["redistribute_overhead_s"] = figures["collective_wait_s"] = 0.0
         figures["all_gather_factor"] = figures["reduce_scatter_factor"] = 1.0
+        figures["zero_publish_factor"] = 1.0
     return figures
 
 
@@ -264,6 +291,7 @@ def measure_cpu(world_size: int = 2) -> dict[str, float]:
         "collective_wait_s",
         "all_gather_factor",
         "reduce_scatter_factor",
+        "zero_publish_factor",
     ):
         figures[key] = statistics.median(rank[key] for rank in per_rank)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

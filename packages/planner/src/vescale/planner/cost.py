@@ -23,12 +23,13 @@ From the per-op records of the meta-tensor forward (:mod:`vescale.planner.op_cos
   **pipeline_p2p**: two activation sends per micro-batch;
 * **data_parallel**: what the runtime does not hide: the gradient all-reduce (ZeRO-0/1) or
   reduce-scatter (ZeRO-2) beyond the last micro-batch's backward it overlaps with, plus
-  ZeRO-1/2's parameter all-gather after the step; ZeRO-3's per-block all-gathers and
+  ZeRO-1/2's parameter publish after the step (an all-gather; on gloo one in-place broadcast
+  per chunk owner, at the profile's ``zero_publish_factor``); ZeRO-3's per-block all-gathers and
   reduce-scatters beyond the block compute they are prefetched under (every micro-batch;
   under a pipeline once per step, as FSDP2 keeps a stage gathered across micro-batches; all
   of it where the profile says communication does not overlap, as on CPU ranks); plus the
-  global-batch loss's scalar all-reduces over the batch ranks, two per step (one under a
-  pipeline), latency-bound and on the critical path;
+  global-batch loss's scalar all-reduces over the batch ranks, one per step with one piece per
+  rank or under a pipeline, two with micro-batches, latency-bound and on the critical path;
 * **expert_parallel** (``ep > 1``): per micro-batch and MoE layer of the stage, four all-to-alls
   of the layer's ``tokens x top_k`` hidden states over the ``ep`` axis (dispatch and combine in
   forward, their transposes in backward; six under full recomputation), each rank keeping
@@ -62,6 +63,7 @@ from vescale.planner._collectives import (
     axis_link,
     p2p_seconds,
     reduce_scatter_seconds,
+    zero_publish_seconds,
 )
 from vescale.planner.errors import PlanError
 from vescale.planner.hardware import HardwareProfile
@@ -73,8 +75,10 @@ __all__ = ["StepCost", "balanced_split", "model_flops_per_step", "op_parts", "pr
 
 _BACKWARD = {"matmul": 2.0, "attention": 2.5, "memory": 2.0}
 _ADAMW_BYTES = {"fp32": 28.0, "bf16": 32.0}
-# vescale.parallelize's global-batch loss: all-reduces of two float64 scalars over the batch
-# ranks per step, the loss-term count and the loss (under a pipeline only the count bounds).
+# vescale.parallelize's global-batch loss: all-reduces of a few float64 scalars over the batch
+# ranks per step: one after the forward (the loss-term count with the loss) for one piece per
+# rank, the count before the first and the loss after the last of several micro-batches (under
+# a pipeline only the count bounds).
 _LOSS_REDUCTION_BYTES = 16.0
 
 
@@ -347,7 +351,7 @@ def predict_step(
             members,
             microbatches,
             hardware.overlaps_communication,
-        ) + (1 if pp > 1 else 2) * all_reduce_seconds(dp_link, _LOSS_REDUCTION_BYTES)
+        ) + (1 if pp > 1 or microbatches == 1 else 2) * all_reduce_seconds(dp_link, _LOSS_REDUCTION_BYTES)
         local = elements / (dp * ep if choices.zero_stage >= 1 else 1)
         # Memory-bound, plus the host time of AdamW's per-tensor loop where it has one (CPU),
         # under DTensor with tensor parallelism.
@@ -435,7 +439,7 @@ def _data_parallel_seconds(
         bucket_share = min(1.0, 25 * 2**20 / max(parameter_bytes, 1.0))
         exposed = max(gradients - last_backward, gradients * bucket_share)
         if zero >= 1:
-            exposed += all_gather_seconds(link, parameter_bytes)
+            exposed += zero_publish_seconds(link, parameter_bytes)
         return exposed
     # Under a pipeline FSDP2 keeps a stage's parameters gathered across its micro-batches and
     # reduce-scatters once, at the last backward (torch.distributed.pipelining's data-parallel mode).

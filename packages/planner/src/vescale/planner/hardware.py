@@ -115,6 +115,10 @@ class HardwareProfile:
     reduce_scatter_factor: float = 1.0
     """The same for the reduce-scatter: 1 for NCCL; gloo has no ring reduce-scatter and PyTorch
     runs a whole all-reduce and more for it (8 MiB: 2.8-3.0 at 4 ranks, 3.7-4.6 at 8)."""
+    zero_publish_factor: float = 1.0
+    """The same for ZeRO-1/2 publishing the stepped parameters, the way ``vescale.doptim`` does on
+    this backend: an all-gather on NCCL (1), one in-place broadcast per chunk owner on gloo
+    (:data:`vescale.doptim.zero.BROADCAST_BACKENDS`), measured on CPU ranks."""
     attention_efficiency: float | None = None
     """The fraction of peak FLOP/s fused attention reaches at large head dimensions (its FLOPs
     counted as the model counts them: half the scores when causal); ``None``: the matmul curve's
@@ -323,6 +327,7 @@ def calibrate_cpu(world_size: int = 2) -> HardwareProfile:
         ranks_per_core=max(1.0, world_size / measured["cores"]),
         all_gather_factor=measured["all_gather_factor"],
         reduce_scatter_factor=measured["reduce_scatter_factor"],
+        zero_publish_factor=measured["zero_publish_factor"],
         redistribute_overhead_us=measured["redistribute_overhead_s"] * 1e6,
         collective_wait_us=measured["collective_wait_s"] * 1e6,
         attention_efficiency=measured["attention_efficiency"],

@@ -236,6 +236,9 @@ def _warm_up_side(variant: str, attention: str, batch: int, input_ids: torch.Ten
     _steps(model, optimizer, input_ids, 1)
     del model, optimizer
     gc.collect()
+    # The measured build compiles afresh: after the twin's shapes, dynamo would recompile with
+    # dynamic shapes, which neither the timed pair nor a user runs (and inductor fails on here).
+    torch._dynamo.reset()
 
 
 def peak_on_ranks(variant: str, hidden: int, layers: int, batch: int, seq: int, warmup: int) -> int:

@@ -37,8 +37,9 @@ per-block ratios with their min-max (goal: <= 1.00). Memory is each side's worst
 resident growth over its build and ``--warmup`` steps (weights, optimizer state, activations),
 measured in a run of its own in fresh rank processes, after that side built a 1-layer, 64-wide
 twin of the model and ran one step with it: each side's imports and one-time set-up then sit
-in the baseline, not in the model's figure (vescale's 128 modules more made the cold dp4
-growth 9 MiB larger, 1.14x of a native peak of 66 MiB whose own one-time part was 26 MiB).
+in the baseline, not in the model's figure (cold, vescale's dp4 peak growth was 105.7 MiB
+against 92.6, 1.14x, of which 34 and 26 MiB were one-time: vescale's build imports 149 more
+modules).
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def _reshards_after_forward(
     """
     if unit is units[-1]:
         return None
-    return len(units) < 2 or unit is not units[-2]
+    return unit is not units[-2]
 
 
 def _parameters_mesh_object(model: nn.Module, device_mesh: DeviceMesh) -> DeviceMesh:

@@ -169,7 +169,7 @@ def publish_params(ddp: DDP, shards: dict[int, ParamShard]) -> None:
             if not shard.master_is_view:
                 local_tensor(shard.param).view(-1).copy_(shard.master)
         return
-    if ddp.buckets and str(dist.get_backend(ddp.buckets[0].reduction_group.group)) in BROADCAST_BACKENDS:
+    if ddp.buckets and dist.get_backend(ddp.buckets[0].reduction_group.group) in BROADCAST_BACKENDS:
         _publish_by_broadcast(ddp, shards)
         return
     pending: deque[tuple[Bucket, torch.Tensor, Any]] = deque()

@@ -102,46 +102,36 @@ def _all_reduce_seconds(numel: int, repeats: int) -> float:
     return _seconds(lambda: dist.all_reduce(tensor), repeats, together=True)
 
 
-def _gather_and_scatter_factors(numel: int, trials: int = 5) -> tuple[float, float]:
-    """The backend's flat all-gather into, and reduce-scatter out of, ``numel`` elements (the
-    collectives ZeRO runs), each over a ring's time: half the all-reduce of the same tensor timed
-    beside it (a ring all-reduce is a reduce-scatter and an all-gather); medians over ``trials``,
-    so that the machine's drift between trials cancels."""
+def _zero_collective_factors(numel: int, trials: int = 5) -> tuple[float, float, float]:
+    """The collectives ZeRO runs into and out of ``numel`` elements, each over a ring's time: half
+    the all-reduce of the same tensor timed beside it (a ring all-reduce is a reduce-scatter and an
+    all-gather); medians over ``trials``, so that the machine's drift between trials cancels.
+
+    Returns the flat all-gather's, the flat reduce-scatter's and ZeRO-1/2's parameter publish's
+    factor: the publish as ``vescale.doptim`` runs it on this backend, on
+    :data:`~vescale.doptim.zero.BROADCAST_BACKENDS` every chunk owner broadcasting its ``1/n`` in
+    place (all in flight, then waited), elsewhere the all-gather."""
+    from vescale.doptim.zero import BROADCAST_BACKENDS
+
     world = dist.get_world_size()
     whole, chunk = torch.ones(numel - numel % world), torch.empty(numel // world)
-    gathers, scatters = [], []
+    owned = whole.chunk(world)
+    broadcasts = dist.get_backend() in BROADCAST_BACKENDS
+
+    def publish() -> None:
+        works = [dist.broadcast(piece, src=owner, async_op=True) for owner, piece in enumerate(owned)]
+        for work in works:
+            work.wait()
+
+    gathers, scatters, publishes = [], [], []
     for _ in range(trials):
         ring = _seconds(lambda: dist.all_reduce(whole), 3, together=True, trials=1) / 2
         gathers.append(_seconds(lambda: all_gather_flat(whole, chunk), 3, together=True, trials=1) / ring)
         scatters.append(
             _seconds(lambda: reduce_scatter_flat(chunk, whole), 3, together=True, trials=1) / ring
         )
-    return statistics.median(gathers), statistics.median(scatters)
-
-
-def _zero_publish_factor(numel: int, gather_factor: float, trials: int = 5) -> float:
-    """ZeRO-1/2's publish of ``numel`` stepped elements over a ring's time, as ``vescale.doptim``
-    publishes on this backend: on :data:`~vescale.doptim.zero.BROADCAST_BACKENDS` every chunk
-    owner broadcasts its ``1/n`` in place (all in flight, then waited), elsewhere the all-gather
-    (``gather_factor``); timed beside half the all-reduce of the same tensor, medians over ``trials``."""
-    from vescale.doptim.zero import BROADCAST_BACKENDS
-
-    if str(dist.get_backend()) not in BROADCAST_BACKENDS:
-        return gather_factor
-    world = dist.get_world_size()
-    whole = torch.ones(numel - numel % world)
-    chunks = whole.chunk(world)
-
-    def publish() -> None:
-        works = [dist.broadcast(chunk, src=owner, async_op=True) for owner, chunk in enumerate(chunks)]
-        for work in works:
-            work.wait()
-
-    factors = []
-    for _ in range(trials):
-        ring = _seconds(lambda: dist.all_reduce(whole), 3, together=True, trials=1) / 2
-        factors.append(_seconds(publish, 3, together=True, trials=1) / ring)
-    return statistics.median(factors)
+        publishes.append(_seconds(publish, 3, together=True, trials=1) / ring if broadcasts else gathers[-1])
+    return statistics.median(gathers), statistics.median(scatters), statistics.median(publishes)
 
 
 def _dtensor_op_seconds(leaf: torch.Tensor, mesh: DeviceMesh) -> float:
@@ -257,15 +247,15 @@ def _measure_on_rank() -> dict[str, float]:
         figures["collective_bandwidth"] = steps / world * large_numel * 4 / max(large_s - steps * alpha, 1e-9)
         figures["redistribute_overhead_s"] = _redistribute_overhead_seconds()
         figures["collective_wait_s"] = _collective_wait_seconds(work)
-        figures["all_gather_factor"], figures["reduce_scatter_factor"] = _gather_and_scatter_factors(
-            large_numel
-        )
-        figures["zero_publish_factor"] = _zero_publish_factor(large_numel, figures["all_gather_factor"])
+        (
+            figures["all_gather_factor"],
+            figures["reduce_scatter_factor"],
+            figures["zero_publish_factor"],
+        ) = _zero_collective_factors(large_numel)
     else:
         figures["collective_latency_s"], figures["collective_bandwidth"] = 1e-5, 1e10
         figures["redistribute_overhead_s"] = figures["collective_wait_s"] = 0.0
-        figures["all_gather_factor"] = figures["reduce_scatter_factor"] = 1.0
-        figures["zero_publish_factor"] = 1.0
+        figures["all_gather_factor"] = figures["reduce_scatter_factor"] = figures["zero_publish_factor"] = 1.0
     return figures
 
 

@@ -267,3 +267,43 @@ def test_custom_function_backward_node_class_runs_the_backward_through_apply():
     assert isinstance(node, node_class) and callable(node_class.__dict__["apply"])
     assert node._forward_cls is Double
     assert torch.equal(node_class.__dict__["apply"](node, torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_torch_function_mode_pop_and_push_round_trip():
+    class Marker(torch.overrides.TorchFunctionMode):
+        pass
+
+    with Marker() as marker:
+        assert _compat.active_torch_function_modes()[-1] is marker
+        popped = _compat.pop_torch_function_mode()
+        assert popped is marker
+        assert marker not in _compat.active_torch_function_modes()
+        _compat.push_torch_function_mode(popped)
+        assert _compat.active_torch_function_modes()[-1] is marker
+    assert marker not in _compat.active_torch_function_modes()
+
+
+def test_dispatch_mode_activity_is_visible():
+    assert not _compat.dispatch_mode_active()
+    with _compat.torch_dispatch_mode_class()():
+        assert _compat.dispatch_mode_active()
+    assert not _compat.dispatch_mode_active()
+
+
+def test_module_call_hooks_lists_module_and_global_hooks():
+    module = torch.nn.Linear(2, 2)
+
+    def forward_hook(*_: object) -> None:
+        return None
+
+    def global_hook(*_: object) -> None:
+        return None
+
+    handle = module.register_forward_hook(forward_hook)
+    global_handle = module_module.register_module_forward_pre_hook(global_hook)
+    try:
+        assert {forward_hook, global_hook} <= set(_compat.module_call_hooks(module))
+    finally:
+        handle.remove()
+        global_handle.remove()
+    assert forward_hook not in _compat.module_call_hooks(module)

@@ -186,3 +186,79 @@ def test_a_custom_function_backward_in_scope_sees_plain_tensors_as_replicate():
     assert torch.equal(result["out"], expected.detach())
     grad_error = (result["weight_grad"] - reference.weight.grad).abs().max()
     assert grad_error <= 1e-6 * reference.weight.grad.abs().max()
+
+
+class OuterOfRefusing(nn.Module):
+    """``inner`` refuses its first call in a pre-hook registered before its scope's; the outer
+    forward catches that and goes on mixing plain tensors with DTensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Outer()
+        self.refused = 0
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        try:
+            self.inner(hidden)
+        except KeyError:
+            self.refused += 1
+        return self.inner(hidden) * torch.ones(hidden.shape[-1])
+
+
+def refused_pre_hook_on_ranks():
+    mesh = _mesh()
+    module = OuterOfRefusing()
+    calls = []
+
+    def refuse_once(hooked: nn.Module, args: tuple) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyError("refused")
+
+    module.inner.register_forward_pre_hook(refuse_once)  # before the scope's own hooks
+    handle = implicit_replication_scope(module)
+    hidden = distribute_tensor(_input(), mesh, [Shard(0)])
+    out = module(hidden)
+    after = _mixing_raises(hidden)
+    handle.remove()
+    return out.full_tensor(), module.refused, after
+
+
+def test_a_pre_hook_that_raises_before_the_scope_leaves_the_enclosing_scope_on():
+    # torch calls the inner module's always-called exit hook although its enter hook never ran;
+    # the scope must not close the outer forward's (which then mixed tensors and failed).
+    expected = Outer()(_input()).detach()
+    out, refused, after = run_on_ranks(refused_pre_hook_on_ranks, 2)[0]
+    assert refused == 1
+    assert torch.equal(out, expected)
+    assert after, "the scope ends with the outer forward"
+
+
+def suspended_scope_on_ranks():
+    from vescale.dtensor.implicit_replication import ReplicatePlainTensorsMode, suspended_implicit_replication
+
+    mesh = _mesh()
+    outer = Outer()
+    handle = implicit_replication_scope(outer)
+    seen = {}
+
+    def inner_forward(module: nn.Module, args: tuple) -> None:
+        from vescale.dtensor import _compat
+
+        modes = _compat.active_torch_function_modes()
+        seen["mode_in_inner"] = any(isinstance(mode, ReplicatePlainTensorsMode) for mode in modes)
+
+    outer.inner.register_forward_pre_hook(inner_forward)
+    hidden = distribute_tensor(_input(), mesh, [Shard(0)])
+    with suspended_implicit_replication():
+        local = outer(hidden.to_local())  # plain tensors only: the inner scope stays off
+    seen["mixing_after"] = _mixing_raises(hidden)
+    handle.remove()
+    return local, seen
+
+
+def test_suspended_scope_keeps_submodule_forwards_local():
+    for rank, (local, seen) in enumerate(run_on_ranks(suspended_scope_on_ranks, 2)):
+        # Each rank's shard of the batch, computed as plain tensors.
+        assert torch.equal(local, Outer()(_input()[rank : rank + 1]).detach())
+        assert seen == {"mode_in_inner": False, "mixing_after": True}

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -142,6 +143,62 @@ def clear_global_module_hooks() -> None:
     """Remove every hook registered with ``torch.nn.modules.module.register_module_*_hook``."""
     for attribute in GLOBAL_MODULE_HOOK_DICTS:
         _private_attribute("torch.nn.modules.module", attribute, OrderedDict).clear()
+
+
+# The hooks an nn.Module runs around its forward and backward: its own, and the global ones.
+MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+GLOBAL_CALL_HOOK_DICTS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+
+
+def module_call_hooks(module: torch.nn.Module, *, include_global: bool = True) -> list[Any]:
+    """Every hook that runs around a call of ``module``: its forward and backward (pre-)hooks,
+    then (``include_global``) the global ones (``register_module_forward_hook`` & co.)."""
+    hooks: list[Any] = []
+    for attribute in MODULE_HOOK_DICTS:
+        registered = getattr(module, attribute, None)
+        if not isinstance(registered, dict):
+            raise unsupported_torch(f"nn.Module.{attribute} is not a dict")
+        hooks += registered.values()
+    if include_global:
+        hooks += global_call_hooks()
+    return hooks
+
+
+@functools.cache
+def _global_call_hook_dicts() -> tuple[OrderedDict[Any, Any], ...]:
+    # The same dict objects for the life of the process (torch clears them in place).
+    return tuple(
+        _private_attribute("torch.nn.modules.module", attribute, OrderedDict)
+        for attribute in GLOBAL_CALL_HOOK_DICTS
+    )
+
+
+def global_call_hooks() -> list[Any]:
+    """The hooks registered for every module's calls (``register_module_forward_hook`` & co.)."""
+    hooks: list[Any] = []
+    for registered in _global_call_hook_dicts():
+        hooks += registered.values()
+    return hooks
+
+
+def global_call_hook_count() -> int:
+    """``len(global_call_hooks())``, without building the list."""
+    return sum(len(registered) for registered in _global_call_hook_dicts())
+
+
+def module_call_hook_count(module: torch.nn.Module) -> int:
+    """How many hooks of its own ``module`` runs around a call (cheap; see :func:`module_call_hooks`)."""
+    return (
+        len(module._forward_pre_hooks)
+        + len(module._forward_hooks)
+        + len(module._backward_pre_hooks)
+        + len(module._backward_hooks)
+    )
 
 
 def reset_dtensor_rng_tracker() -> None:
@@ -434,6 +491,28 @@ def active_torch_function_modes() -> list[Any]:
     return list(stack())
 
 
+def pop_torch_function_mode() -> Any:
+    """Take the innermost torch-function mode off this thread's stack and return it."""
+    pop = _private_attribute("torch.overrides", "_pop_mode", None)
+    if not callable(pop):
+        raise PrivateTorchAPIError(
+            f"torch.overrides._pop_mode is not callable in torch {torch.__version__}; "
+            "update vescale/dtensor/_compat.py for this release."
+        )
+    return pop()
+
+
+def push_torch_function_mode(mode: Any) -> None:
+    """Put ``mode`` back as the innermost torch-function mode (after :func:`pop_torch_function_mode`)."""
+    push = _private_attribute("torch.overrides", "_push_mode", None)
+    if not callable(push):
+        raise PrivateTorchAPIError(
+            f"torch.overrides._push_mode is not callable in torch {torch.__version__}; "
+            "update vescale/dtensor/_compat.py for this release."
+        )
+    push(mode)
+
+
 def dtensor_op_strategy(op: Any) -> Any:
     """The strategy function DTensor registered for ``op`` (``OpSchema -> StrategyType``)."""
     strategies = dtensor_strategy_registries()["op_strategy_funcs"]
@@ -536,6 +615,17 @@ def fake_tensor_data_dependent_errors() -> tuple[type[Exception], ...]:
 def disable_dispatch_modes() -> Any:
     """A context manager under which no TorchDispatchMode (fake or recording) is active."""
     return _private_attribute("torch.utils._python_dispatch", "_disable_current_modes", None)()
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a TorchDispatchMode is active on this thread (fake tensors, selective
+    activation checkpointing's op cache, a recording mode)."""
+    stack = _private_attribute("torch.utils._python_dispatch", "_get_current_dispatch_mode_stack", None)
+    if not callable(stack):
+        raise unsupported_torch(
+            "torch.utils._python_dispatch._get_current_dispatch_mode_stack is not callable"
+        )
+    return bool(stack())
 
 
 def op_schema(op: Any) -> Any:

@@ -41,6 +41,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,7 +60,11 @@ __all__ = [
     "ImplicitReplicationHandle",
     "ReplicatePlainTensorsMode",
     "implicit_replication_scope",
+    "suspended_implicit_replication",
 ]
+
+# Per thread: how many suspended_implicit_replication() blocks are open.
+_SUSPENSION = threading.local()
 
 
 class ImplicitReplicationError(DTensorError, TypeError):
@@ -156,9 +161,9 @@ class ImplicitReplicationHandle:
     """
 
     def __init__(self, module: nn.Module) -> None:
-        # One entry per forward still running (modules nest and may be re-entered): the scope
-        # this forward entered, or None where an enclosing one had.
-        self._active: list[contextlib.ExitStack | None] = []
+        # One entry per forward still running (modules nest and may be re-entered): the module and
+        # the scope its forward entered, or None where an enclosing one had.
+        self._active: list[tuple[nn.Module, contextlib.ExitStack | None]] = []
         self._hook_handles = []
         for submodule in module.modules():
             self._hook_handles += [
@@ -176,20 +181,24 @@ class ImplicitReplicationHandle:
         # Under torch.compile (a compiled block inside the model), the enclosing module's forward
         # entered the scope before the compiled region and dynamo traces through the active mode;
         # entering a mode or reading the mode stack inside the traced region would break the graph.
-        if torch.compiler.is_compiling():
-            self._active.append(None)
+        if torch.compiler.is_compiling() or _suspension_depth():
+            self._active.append((module, None))
             return
         # The thread's mode stack, not self._active, says whether a scope is on: in backward the
         # autograd engine has reset the stack while this module's forward may still be running.
         if _in_replication_mode():
-            self._active.append(None)
+            self._active.append((module, None))
             return
         scope = contextlib.ExitStack()
         scope.enter_context(_replicating())
-        self._active.append(scope)
+        self._active.append((module, scope))
 
     def _exit_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        scope = self._active.pop()
+        # torch calls this always-called hook also when an earlier pre-hook of the module raised,
+        # before _enter_forward ran: then the top entry is an enclosing module's, and stays.
+        if not self._active or self._active[-1][0] is not module:
+            return
+        _, scope = self._active.pop()
         if scope is not None:
             scope.close()
 
@@ -208,6 +217,44 @@ def _replicating() -> Iterator[None]:
             yield
     finally:
         _compat.set_dtensor_implicit_replication(saved_setting)
+
+
+def _suspension_depth() -> int:
+    depth: int = getattr(_SUSPENSION, "depth", 0)
+    return depth
+
+
+@contextlib.contextmanager
+def suspended_implicit_replication() -> Iterator[None]:
+    """Inside, plain tensors are not made Replicate, and submodule forwards do not enter the scope.
+
+    For code that runs a parallelized module on local tensors only (every value plain, placements
+    tracked by the caller): the mode is taken off when it is the innermost torch-function mode
+    (sparing each torch call a Python dispatch), DTensor's own flag is off, and the scope's module
+    hooks leave both so until the block ends.
+
+    Example::
+
+        with suspended_implicit_replication():
+            local_output = block.forward(local_hidden)     # plain tensors throughout
+    """
+    depth = _suspension_depth()
+    _SUSPENSION.depth = depth + 1
+    modes = _compat.active_torch_function_modes()
+    popped = (
+        _compat.pop_torch_function_mode()
+        if modes and isinstance(modes[-1], ReplicatePlainTensorsMode)
+        else None
+    )
+    saved_setting = _compat.dtensor_implicit_replication_enabled()
+    _compat.set_dtensor_implicit_replication(False)
+    try:
+        yield
+    finally:
+        _compat.set_dtensor_implicit_replication(saved_setting)
+        if popped is not None:
+            _compat.push_torch_function_mode(popped)
+        _SUSPENSION.depth = depth
 
 
 def _install_custom_backward_scope() -> None:

@@ -14,6 +14,7 @@ from vescale.dmodule.auto_plan import AutoShardingResult, auto_sharding_plan, pl
 from vescale.dmodule.debug import format_placements
 from vescale.dmodule.deferred import deferred_init, materialize_module
 from vescale.dmodule.errors import DModuleError, ShardingPlanError
+from vescale.dmodule.local_execution import local_execution_report
 from vescale.dmodule.parallelize import is_dmodule, parallelize_module
 from vescale.dmodule.sharding_plan import ShardingPlan
 from vescale.dtensor.grad_sync import finish_grad_sync
@@ -29,6 +30,7 @@ __all__ = [
     "finish_grad_sync",
     "format_placements",
     "is_dmodule",
+    "local_execution_report",
     "materialize_module",
     "parallelize_module",
     "plan_tensor_parallel",

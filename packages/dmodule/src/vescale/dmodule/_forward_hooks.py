@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from vescale.dmodule._local_boundaries import current_boundaries
 from vescale.dmodule.errors import DModuleError
 from vescale.dmodule.sharding_plan import ForwardPlacements, TensorPlacements
 from vescale.dtensor.placements import placement_to_string, to_torch_placements
@@ -49,6 +50,13 @@ def convert_to_placements(value: Any, mesh: DeviceMesh, placements: TensorPlacem
     """
     if not isinstance(value, torch.Tensor):
         return value
+    boundaries = current_boundaries()
+    if boundaries is not None:  # inside a module that runs, or is verified to run, on local tensors
+        return boundaries.convert(value, mesh, placements, where, _convert_tensor)
+    return _convert_tensor(value, mesh, placements, where)
+
+
+def _convert_tensor(value: torch.Tensor, mesh: DeviceMesh, placements: TensorPlacements, where: str) -> Any:
     target = to_torch_placements(placements)
     if isinstance(value, DTensor):
         if value.device_mesh != mesh:
@@ -123,7 +131,9 @@ class InputConversionCache:
             # gives the same values; the backward then reduces each consumer's gradient on its
             # own instead of their sum once (more collectives, the same sum).
             return convert_to_placements(value, mesh, placements, where)
-        key = (mesh, tuple(to_torch_placements(placements)))
+        # A trial or local run of a module (local execution) converts among its own values only:
+        # a plain input reaches both trial runs as the same tensor, as a DTensor in one of them.
+        key = (mesh, tuple(to_torch_placements(placements)), current_boundaries())
         by_target = self._entries.setdefault(value, {})  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         version, converted = by_target.get(key, (None, None))
         if converted is None or version != value._version:

@@ -16,7 +16,9 @@ Steps, all decided before anything changes so that a bad plan leaves the module 
    (:func:`vescale.dtensor.implicit_replication.implicit_replication_scope`);
 5. gradients that arrive Partial (Replicate parameters next to sharded activations) are
    reduced at the end of backward (:mod:`vescale.dtensor.grad_sync`);
-6. an exception in a forward names the innermost module and its input placements.
+6. an exception in a forward names the innermost module and its input placements;
+7. a submodule whose forward is verified to compute the same on local tensors runs on them
+   (:mod:`vescale.dmodule.local_execution`; ``local_execution=False`` turns it off).
 
 Example::
 
@@ -40,6 +42,7 @@ import vescale.dtensor.ops  # noqa: F401  (registers the sharding strategies a m
 from vescale.dmodule._forward_hooks import InputConversionCache, register_forward_placement_hooks
 from vescale.dmodule.debug import name_failing_modules
 from vescale.dmodule.errors import DModuleError
+from vescale.dmodule.local_execution import install_local_execution
 from vescale.dmodule.sharding_plan import ResolvedShardingPlan, ShardingPlan
 from vescale.dtensor.deferred import is_deferred, materialize_module
 from vescale.dtensor.grad_sync import GradSync, attach_grad_sync
@@ -62,6 +65,7 @@ class DModuleState:
     grad_sync: GradSync
     implicit_replication: ImplicitReplicationHandle
     hook_handles: list[RemovableHandle] = field(default_factory=list)
+    local_execution: list[nn.Module] = field(default_factory=list)
 
 
 def is_dmodule(module: nn.Module) -> bool:
@@ -134,6 +138,7 @@ def parallelize_module(
     sharding_plan: Mapping[str, Any] | ShardingPlan,
     *,
     mesh_dim: str | int = "tp",
+    local_execution: bool = True,
 ) -> nn.Module:
     """Apply ``sharding_plan`` to ``module`` on ``device_mesh``'s ``mesh_dim``, in place; return it.
 
@@ -178,6 +183,7 @@ def parallelize_module(
             cache=conversions,
         )
     hook_handles += name_failing_modules(module)
+    local_modules = install_local_execution(module, device_mesh, mesh_dim_index) if local_execution else []
     state = DModuleState(
         mesh=device_mesh,
         mesh_dim=mesh_dim_index,
@@ -186,6 +192,7 @@ def parallelize_module(
         grad_sync=attach_grad_sync(module),
         implicit_replication=implicit_replication_scope(module),
         hook_handles=hook_handles,
+        local_execution=local_modules,
     )
     setattr(module, DMODULE_ATTRIBUTE, state)
     return module

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -35,9 +36,13 @@ def step_errors(
         errors = step_errors(model, reference, input_ids, labels)
         worst = max(errors["grad_errors"].values())
     """
-    loss = model(input_ids=input_ids, labels=labels).loss
+    # As training calls them (vescale.parallelize does the same): without a key/value cache.
+    batch: dict[str, Any] = {"input_ids": input_ids, "labels": labels}
+    if "use_cache" in inspect.signature(reference.forward).parameters:
+        batch["use_cache"] = False
+    loss = model(**batch).loss
     loss.backward()
-    reference_loss = reference(input_ids=input_ids, labels=labels).loss
+    reference_loss = reference(**batch).loss
     reference_loss.backward()
     return {
         "loss_error": relative_error(loss, reference_loss),

@@ -261,3 +261,25 @@ def test_local_execution_keeps_the_forward_signature():
     assert inspect.signature(layer.forward) == expected
     remove_local_execution(installed)
     assert "forward" not in layer.__dict__
+
+
+def _signature_count_and_errors(calls: int) -> dict[str, Any]:
+    from vescale.dmodule.local_execution import MAX_SIGNATURES
+
+    mesh = init_mesh(tp=2)
+    model = _Root(_ColumnRow())
+    reference = copy.deepcopy(model)
+    parallelize_module(model, mesh, _TOY_PLAN)
+    errors = []
+    for rows in range(1, calls + 1):  # a new batch size, so a new input signature, every call
+        x = torch.arange(rows * 8.0).reshape(rows, 8) / (rows * 8) - 0.25
+        ours = model(x).full_tensor()
+        theirs = reference(x)
+        errors.append((ours - theirs).abs().max().item() / theirs.abs().max().item())
+    return {"errors": errors, "verdicts": len(local_execution_report(model)["block"]), "cap": MAX_SIGNATURES}
+
+
+def test_a_module_verifies_a_bounded_number_of_signatures():
+    for rank, result in enumerate(run_on_ranks(_signature_count_and_errors, world_size=2, args=(20,))):
+        assert result["verdicts"] == result["cap"] == 16, f"rank {rank}: {result['verdicts']}"
+        assert max(result["errors"]) < TOY_RTOL, f"rank {rank}: {result['errors']}"

@@ -69,6 +69,8 @@ from vescale.dtensor.implicit_replication import suspended_implicit_replication
 __all__ = ["LocalExecution", "install_local_execution", "local_execution_report"]
 
 LOCAL_EXECUTION_ATTRIBUTE = "_vescale_local_execution"
+# Input signatures a module verifies; calls with further new ones run as DTensors unverified.
+MAX_SIGNATURES = 16
 _SIMPLE_VALUES = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
 
 
@@ -145,6 +147,9 @@ class LocalExecution:
                 # Verified with gradients, at the first such call; and not under a dispatch mode
                 # (fake tensors; selective checkpointing's op cache, which trial runs would fill
                 # with ops its recomputation does not replay).
+                return forward(module, *args, **kwargs)
+            if len(self._verdicts) >= MAX_SIGNATURES:
+                # Shapes that change every step (unpadded batches) would pay a trial every step.
                 return forward(module, *args, **kwargs)
             verdict = self._verify(module, leaves, spec)
             self._verdicts[key] = verdict

@@ -12,6 +12,7 @@ Quantities compared, on tp2 against the same model, weights and batch in one pro
 * toy blocks that local execution must refuse or abandon, each against a plain copy over three
   calls with every parameter moved between them: a forward that updates a buffer, one that takes
   an object argument, one with a user's forward hook inside (which must keep seeing DTensors), a
+  forward that keeps state on an attribute (trial calls must not count), a
   row-parallel linear whose bias starts at zero (local tensors would add it once per rank; the
   trial runs on random stand-ins for the parameters, so the zero cannot hide it), and one whose
   path changes between calls with the same input signature (its second call replays other
@@ -169,6 +170,19 @@ class _ZeroBias(nn.Module):
         return self.down(torch.tanh(self.up(x)))
 
 
+class _Stateful(nn.Module):
+    """Keeps a value between calls on an attribute, as a recurrent block keeps its state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _ColumnRow()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return self.inner(x) * self.calls
+
+
 class _Root(nn.Module):
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
@@ -192,6 +206,7 @@ def _toy_errors(block_name: str) -> dict[str, Any]:
         "branchy": _Branchy,
         "hooked": _ColumnRow,
         "zero_bias": _ZeroBias,
+        "stateful": _Stateful,
     }
     block = blocks[block_name]()
     model = _Root(block)
@@ -238,6 +253,7 @@ def _toy_errors(block_name: str) -> dict[str, Any]:
         ("branchy", "DTensor: a later call took another path"),
         ("hooked", "DTensor: 'up' has the hook "),
         ("zero_bias", "DTensor: output 0 differs between the DTensor and the local forward"),
+        ("stateful", "DTensor: its forward sets the attribute _Stateful.calls"),
     ],
 )
 def test_blocks_that_cannot_run_locally_run_as_dtensors(block_name, expected_verdict):

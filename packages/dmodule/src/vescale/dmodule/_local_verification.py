@@ -192,6 +192,25 @@ def _same(first: Any, second: Any) -> bool:
     return type(first) is type(second) and first == second
 
 
+def _attribute_state(module: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
+    """Per submodule, its plain attributes (``vars``: not parameters, buffers or submodules)."""
+    return [(submodule, dict(vars(submodule))) for submodule in module.modules()]
+
+
+def _restore_attributes(state: list[tuple[nn.Module, dict[str, Any]]]) -> str | None:
+    """Put back every attribute the trial set or added; the first one's name, if there was one."""
+    changed = None
+    for submodule, saved in state:
+        now = vars(submodule)
+        for name in [name for name in now if name not in saved or now[name] is not saved[name]]:
+            changed = changed or f"{type(submodule).__name__}.{name}"
+            if name in saved:
+                now[name] = saved[name]
+            else:
+                del now[name]
+    return changed
+
+
 def _buffer_state(module: nn.Module) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
     return [(buffer, buffer._version, buffer.detach().clone()) for buffer in module.buffers()]
 
@@ -244,6 +263,7 @@ def compare_runs(
         next((leaf.device_mesh.device_type for leaf in leaves if isinstance(leaf, DTensor)), "cpu"),
     )
     buffers = _buffer_state(module)
+    attributes = _attribute_state(module)
 
     with _trial(mesh_device):
         args, kwargs = pytree.tree_unflatten(trial_leaves, spec)
@@ -255,6 +275,11 @@ def compare_runs(
             swapped.restore()
     if _restore_buffers(buffers):
         return "its forward updates a buffer"
+    changed = _restore_attributes(attributes)
+    if changed is not None:
+        # State kept on the module between calls (RecurrentGemma's recurrent state): trial runs
+        # would leave theirs there.
+        return f"its forward sets the attribute {changed}"
     dtensor_leaves, output_spec = pytree.tree_flatten(dtensor_output)
     for leaf in dtensor_leaves:
         if not isinstance(leaf, (torch.Tensor, *_SIMPLE_VALUES)):

@@ -143,10 +143,15 @@ class LocalExecution:
         key = _signature(module, leaves, spec)
         verdict = self._verdicts.get(key)
         if verdict is None:
-            if not torch.is_grad_enabled() or _compat.dispatch_mode_active():
-                # Verified with gradients, at the first such call; and not under a dispatch mode
-                # (fake tensors; selective checkpointing's op cache, which trial runs would fill
-                # with ops its recomputation does not replay).
+            if (
+                not torch.is_grad_enabled()
+                or _compat.dispatch_mode_active()
+                or _compat.current_autograd_node() is not None
+            ):
+                # Verified with gradients, at the first such call; not under a dispatch mode (fake
+                # tensors; selective checkpointing's op cache, which trial runs would fill with ops
+                # its recomputation does not replay); not inside a backward (a custom Function that
+                # recomputes its forward there, as Reformer's reversible layers do).
                 return forward(module, *args, **kwargs)
             if len(self._verdicts) >= MAX_SIGNATURES:
                 # Shapes that change every step (unpadded batches) would pay a trial every step.

@@ -7,11 +7,12 @@ the same. This module runs such a module's forward on local tensors, as hand-wri
 parallelism does, but only where a check proves it equivalent, for each input signature (shapes,
 dtypes, placements, ``requires_grad``, non-tensor arguments, training mode):
 
-1. the first call with a signature runs the forward twice on detached copies of its inputs, with
-   the same random state: as DTensors (recording the plan's conversions inside it and, through a
-   backward with a fixed random cotangent, the placements of every gradient), then on local tensors
-   with the parameters swapped for their local shards and the conversions replayed
-   (:mod:`vescale.dmodule._local_boundaries`);
+1. the first call with a signature runs the forward twice, with the same random state, on random
+   stand-ins for its floating-point parameters and DTensor inputs (so that a value that happens to
+   be zero, a fresh bias, cannot make two computations agree): as DTensors (recording the plan's
+   conversions inside it and, through a backward with a fixed random cotangent, the placements of
+   every gradient), then on local tensors with the parameters swapped for their local shards and
+   the conversions replayed (:mod:`vescale.dmodule._local_boundaries`);
 2. the outputs, and the gradients of the inputs and parameters, must agree **bitwise**, in
    placements and values; the tensor-parallel ranks agree on the verdict (one all-reduce);
 3. calls with a verified signature then run locally: each DTensor input and parameter enters
@@ -21,15 +22,18 @@ dtypes, placements, ``requires_grad``, non-tensor arguments, training mode):
 
 A module is not tried when its subtree holds an expert-parallel module (its all-to-all sends
 data-dependent counts), an FSDP unit below itself, a sharded embedding (a lookup of global
-indices), or a forward or backward hook of the user's (which would see local shards where it
-saw DTensors), nor when an input is an object its forward may change (a key/value cache:
-training passes ``use_cache=False``) or its forward updates a buffer (BatchNorm's running
-statistics). A forward that raises or differs in the trial, or takes another path in a later
-call (:class:`LocalReplayDiverged`: the same conversions must come in the same order), runs as
-DTensors from then on for that signature. No trial runs without gradients or under a dispatch
-mode (fake tensors, selective activation checkpointing's op cache); under ``torch.compile`` the
-forward runs as DTensors (the compiler removes the per-op cost itself). Which modules run
-locally, and why the others do not, is in :func:`local_execution_report`.
+indices), or a forward or backward hook of the user's (which would see local shards where it saw
+DTensors), nor when an input is an object its forward may change (a key/value cache: training
+passes ``use_cache=False``) or its forward updates a buffer (BatchNorm's running statistics) or
+sets an attribute (a recurrent state; the trial's is put back). A forward that raises or differs
+in the trial, or takes another path in a later call (:class:`LocalReplayDiverged`: the same
+conversions must come in the same order), runs as DTensors from then on for that signature. A
+module verifies at most ``MAX_SIGNATURES`` (16) signatures: shapes that change every step pay a
+trial only in the first steps. No trial runs without gradients, inside a backward (a custom
+Function recomputing its forward there) or under a dispatch mode (fake tensors, selective
+activation checkpointing's op cache); under ``torch.compile`` the forward runs as DTensors (the
+compiler removes the per-op cost itself). Which modules run locally, and why the others do not, is
+in :func:`local_execution_report`.
 
 Example::
 

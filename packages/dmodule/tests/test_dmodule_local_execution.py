@@ -12,7 +12,8 @@ Quantities compared, on tp2 against the same model, weights and batch in one pro
 * toy blocks that local execution must refuse or abandon, each against a plain copy over three
   calls with every parameter moved between them: a forward that updates a buffer, one that takes
   an object argument, one with a user's forward hook inside (which must keep seeing DTensors), a
-  forward that keeps state on an attribute (trial calls must not count), a
+  forward that keeps state on an attribute (trial calls must not count), one that sets an
+  attribute and updates a buffer before its trial raises (the trial's changes must be undone), a
   row-parallel linear whose bias starts at zero (local tensors would add it once per rank; the
   trial runs on random stand-ins for the parameters, so the zero cannot hide it), and one whose
   path changes between calls with the same input signature (its second call replays other
@@ -183,6 +184,28 @@ class _Stateful(nn.Module):
         return self.inner(x) * self.calls
 
 
+class _FailsOnce(nn.Module):
+    """Counts its calls on an attribute and in a buffer, then raises on the first call of the
+    process: the trial's, which must leave neither count behind."""
+
+    failures_left = 1  # on the class, shared with the reference copy: only the first call fails
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _ColumnRow()
+        self.calls = 0
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        with torch.no_grad():
+            self.seen.add_(1.0)
+        if type(self).failures_left:
+            type(self).failures_left -= 1
+            raise RuntimeError("a transient failure")
+        return self.inner(x) * self.calls
+
+
 class _Root(nn.Module):
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
@@ -207,6 +230,7 @@ def _toy_errors(block_name: str) -> dict[str, Any]:
         "hooked": _ColumnRow,
         "zero_bias": _ZeroBias,
         "stateful": _Stateful,
+        "fails_once": _FailsOnce,
     }
     block = blocks[block_name]()
     model = _Root(block)
@@ -254,6 +278,7 @@ def _toy_errors(block_name: str) -> dict[str, Any]:
         ("hooked", "DTensor: 'up' has the hook "),
         ("zero_bias", "DTensor: output 0 differs between the DTensor and the local forward"),
         ("stateful", "DTensor: its forward sets the attribute _Stateful.calls"),
+        ("fails_once", "DTensor: RuntimeError: a transient failure"),
     ],
 )
 def test_blocks_that_cannot_run_locally_run_as_dtensors(block_name, expected_verdict):

@@ -44,11 +44,12 @@ from vescale.dmodule._local_boundaries import (
 )
 from vescale.dtensor.implicit_replication import suspended_implicit_replication
 
-__all__ = ["SwappedParameters", "compare_runs", "parameter_slots"]
+__all__ = ["SIMPLE_VALUES", "SwappedParameters", "compare_runs", "parameter_slots"]
 
 GradientPlacements = tuple[Any, ...] | None
 SlotKey = tuple[int, str]
-_SIMPLE_VALUES = (bool, int, float, str, type(None))
+# Non-tensor values an input or output may hold: compared and keyed by value.
+SIMPLE_VALUES = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
 _COTANGENT_SEED = 0x5EED
 _PARAMETER_SEED = 0x9A4A
 
@@ -192,38 +193,35 @@ def _same(first: Any, second: Any) -> bool:
     return type(first) is type(second) and first == second
 
 
-def _attribute_state(module: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
-    """Per submodule, its plain attributes (``vars``: not parameters, buffers or submodules)."""
-    return [(submodule, dict(vars(submodule))) for submodule in module.modules()]
+class _ModuleState:
+    """A module's buffers and plain attributes (``vars``: not parameters, buffers or submodules)
+    before a trial, for :meth:`restore` to put back."""
 
+    def __init__(self, module: nn.Module) -> None:
+        self._buffers = [(buffer, buffer._version, buffer.detach().clone()) for buffer in module.buffers()]
+        self._attributes = [(submodule, dict(vars(submodule))) for submodule in module.modules()]
 
-def _restore_attributes(state: list[tuple[nn.Module, dict[str, Any]]]) -> str | None:
-    """Put back every attribute the trial set or added; the first one's name, if there was one."""
-    changed = None
-    for submodule, saved in state:
-        now = vars(submodule)
-        for name in [name for name in now if name not in saved or now[name] is not saved[name]]:
-            changed = changed or f"{type(submodule).__name__}.{name}"
-            if name in saved:
-                now[name] = saved[name]
-            else:
-                del now[name]
-    return changed
-
-
-def _buffer_state(module: nn.Module) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
-    return [(buffer, buffer._version, buffer.detach().clone()) for buffer in module.buffers()]
-
-
-def _restore_buffers(state: list[tuple[torch.Tensor, int, torch.Tensor]]) -> bool:
-    """Put back every buffer the trial changed; whether there was one."""
-    changed = False
-    with torch.no_grad():
-        for buffer, version, saved in state:
-            if buffer._version != version:
-                buffer.copy_(saved)
-                changed = True
-    return changed
+    def restore(self) -> str | None:
+        """Put back every buffer and attribute the trial changed; why the module cannot run
+        locally, if it changed one. Calling it again changes nothing."""
+        reason = None
+        with torch.no_grad():
+            for index, (buffer, version, saved) in enumerate(self._buffers):
+                if buffer._version != version:
+                    buffer.copy_(saved)
+                    self._buffers[index] = (buffer, buffer._version, saved)
+                    reason = reason or "its forward updates a buffer"
+        for submodule, saved_vars in self._attributes:
+            now = vars(submodule)
+            for name in [name for name in now if name not in saved_vars or now[name] is not saved_vars[name]]:
+                # State kept on the module between calls (RecurrentGemma's recurrent state): trial
+                # runs would leave theirs there.
+                reason = reason or f"its forward sets the attribute {type(submodule).__name__}.{name}"
+                if name in saved_vars:
+                    now[name] = saved_vars[name]
+                else:
+                    del now[name]
+        return reason
 
 
 def compare_runs(
@@ -236,7 +234,23 @@ def compare_runs(
     """Run ``module``'s forward both ways on copies of ``leaves`` (see the module docstring).
 
     Returns what differed, or ``(input gradient placements per leaf, parameter gradient placements
-    per slot, output spec, output layouts)``, ``recording`` then holding the conversions."""
+    per slot, output spec, output layouts)``, ``recording`` then holding the conversions. The
+    module's buffers and attributes are as before, also when a trial raises."""
+    state = _ModuleState(module)
+    try:
+        return _compare(module, leaves, spec, slots, recording, state)
+    finally:
+        state.restore()
+
+
+def _compare(
+    module: nn.Module,
+    leaves: list[Any],
+    spec: pytree.TreeSpec,
+    slots: list[tuple[nn.Module, str]],
+    recording: BoundaryRecording,
+    state: _ModuleState,
+) -> str | tuple[tuple[GradientPlacements, ...], dict[SlotKey, GradientPlacements], Any, tuple[Any, ...]]:
     forward = type(module).forward
     copies: dict[int, torch.Tensor] = {}
     trial_leaves = []
@@ -262,8 +276,6 @@ def compare_runs(
         (target.device_mesh.device_type for target in targets if isinstance(target, DTensor)),
         next((leaf.device_mesh.device_type for leaf in leaves if isinstance(leaf, DTensor)), "cpu"),
     )
-    buffers = _buffer_state(module)
-    attributes = _attribute_state(module)
 
     with _trial(mesh_device):
         args, kwargs = pytree.tree_unflatten(trial_leaves, spec)
@@ -273,16 +285,12 @@ def compare_runs(
                 dtensor_output = forward(module, *args, **kwargs)
         finally:
             swapped.restore()
-    if _restore_buffers(buffers):
-        return "its forward updates a buffer"
-    changed = _restore_attributes(attributes)
+    changed = state.restore()
     if changed is not None:
-        # State kept on the module between calls (RecurrentGemma's recurrent state): trial runs
-        # would leave theirs there.
-        return f"its forward sets the attribute {changed}"
+        return changed
     dtensor_leaves, output_spec = pytree.tree_flatten(dtensor_output)
     for leaf in dtensor_leaves:
-        if not isinstance(leaf, (torch.Tensor, *_SIMPLE_VALUES)):
+        if not isinstance(leaf, (torch.Tensor, *SIMPLE_VALUES)):
             return f"its output holds a {type(leaf).__name__}"
     differentiable = [
         index
@@ -317,8 +325,9 @@ def compare_runs(
         finally:
             swapped.restore()
     replay.finish()
-    if _restore_buffers(buffers):
-        return "its forward updates a buffer"
+    changed = state.restore()
+    if changed is not None:
+        return changed
     local_leaves_out, local_spec = pytree.tree_flatten(local_output)
     if local_spec != output_spec:
         return "its local forward returns another structure"

@@ -66,7 +66,12 @@ from vescale.dmodule._local_boundaries import (
     current_boundaries,
     running_boundaries,
 )
-from vescale.dmodule._local_verification import SwappedParameters, compare_runs, parameter_slots
+from vescale.dmodule._local_verification import (
+    SIMPLE_VALUES,
+    SwappedParameters,
+    compare_runs,
+    parameter_slots,
+)
 from vescale.dtensor import _compat
 from vescale.dtensor.implicit_replication import suspended_implicit_replication
 
@@ -75,7 +80,6 @@ __all__ = ["LocalExecution", "install_local_execution", "local_execution_report"
 LOCAL_EXECUTION_ATTRIBUTE = "_vescale_local_execution"
 # Input signatures a module verifies; calls with further new ones run as DTensors unverified.
 MAX_SIGNATURES = 16
-_SIMPLE_VALUES = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,7 @@ def _signature(module: nn.Module, leaves: list[Any], spec: pytree.TreeSpec) -> t
             parts.append((leaf.shape, leaf.dtype, leaf.requires_grad, tuple(leaf.placements)))
         elif isinstance(leaf, torch.Tensor):
             parts.append((leaf.shape, leaf.dtype, leaf.requires_grad))
-        elif isinstance(leaf, _SIMPLE_VALUES):
+        elif isinstance(leaf, SIMPLE_VALUES):
             parts.append(leaf)
         else:
             parts.append(type(leaf))
@@ -268,7 +272,7 @@ def _static_rejection(module: nn.Module, leaves: list[Any]) -> Rejected | None:
         ):
             return Rejected(f"holds the sharded embedding {where!r} (a lookup of global indices)")
     for leaf in leaves:
-        if not isinstance(leaf, (torch.Tensor, *_SIMPLE_VALUES)):
+        if not isinstance(leaf, (torch.Tensor, *SIMPLE_VALUES)):
             # A cache or other object the forward may change: trial runs would change it too.
             return Rejected(
                 f"takes a {type(leaf).__name__} argument (e.g. a key/value cache: use_cache=False)"

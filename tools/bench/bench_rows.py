@@ -81,17 +81,23 @@ def bench_row(
     *,
     time_goal: float | None = 1.0,
     memory_goal: float | None = 1.0,
+    resident_peaks: tuple[float, float] | None = None,
     note: str = "",
 ) -> dict:
     """A row from paired per-block times (block ``i`` of ours ran beside block ``i`` of native).
 
     The ratio is the median of the per-block ratios (with their min-max); ``time_goal`` and
     ``memory_goal`` are upper bounds on the time and peak-memory ratios (``None``: reported only).
+    ``resident_peaks`` (ours, native), where the checked peaks are malloc's bytes in use, are
+    the resident-set peaks beside them, reported only.
     """
     ratios = [mine / theirs for mine, theirs in zip(ours, native, strict=True)]
     memory_ratio = None
     if ours_peak is not None and native_peak is not None:
         memory_ratio = ours_peak / max(native_peak, 1.0)
+    resident_ratio = None
+    if resident_peaks is not None:
+        resident_ratio = resident_peaks[0] / max(resident_peaks[1], 1.0)
     return {
         "bench": bench,
         "row": name,
@@ -101,7 +107,10 @@ def bench_row(
         "ratio": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
+        "ours_peak": ours_peak,
+        "native_peak": native_peak,
         "memory_ratio": memory_ratio,
+        "resident_ratio": resident_ratio,
         "time_goal": time_goal,
         "memory_goal": memory_goal,
         "note": note,

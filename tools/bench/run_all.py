@@ -144,12 +144,12 @@ def _format(value: float | None, digits: int = 3) -> str:
 def print_table(rows: list[dict], quick: bool) -> None:
     print(
         "| bench | row | ours | native | time ratio, median (min-max), blocks | time goal | "
-        "peak memory ratio | memory goal | verdict |"
+        "peak memory ratio | memory goal | peak resident ratio (shown) | verdict |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for row in rows:
         if row.get("failed"):
-            print(f"| {row['bench']} | {row['row']} | | | | | | | MISS (did not run) |")
+            print(f"| {row['bench']} | {row['row']} | | | | | | | | MISS (did not run) |")
             continue
         missed = misses(row)
         verdict = "smoke" if quick else ("ok" if not missed else "MISS " + "+".join(missed))
@@ -161,7 +161,7 @@ def print_table(rows: list[dict], quick: bool) -> None:
         print(
             f"| {row['bench']} | {row['row']} | {ours} | {native} | {spread} | "
             f"{_format(row.get('time_goal'), 2)} | {_format(row.get('memory_ratio'))} | "
-            f"{_format(row.get('memory_goal'), 2)} | {verdict} |"
+            f"{_format(row.get('memory_goal'), 2)} | {_format(row.get('resident_ratio'))} | {verdict} |"
         )
 
 

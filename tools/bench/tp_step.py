@@ -20,9 +20,11 @@ Step time is fwd + bwd + AdamW step, the two variants alternating step by step (
 machine noise hits both alike), each step bracketed by barriers: the slowest rank's time.
 The median of ``--steps`` steps after ``--warmup`` is reported. Every rank runs one thread.
 
-Memory is the worst rank's peak resident growth during one extra step of each variant, over
-the resident size just before that step (both models live in the same process, so weights and
-optimizer state are left out; what remains is activations, gradients and temporaries).
+Memory is the worst rank's peak growth of malloc's bytes in use during one extra step of each
+variant (:class:`~vescale.dtensor.testing.memory.PeakHeapInUse`, the checked figure; the resident
+set's beside it), over what was in use just before that step (both models live in the same
+process, so weights and optimizer state are left out; what remains is activations, gradients
+and temporaries).
 
 Communication is counted with :class:`vescale.dtensor.comm.CommCounter` over one extra step.
 Calls are attributed to parts of the model by order of issue: forward hooks on the embedding,
@@ -54,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vescale.dtensor.testing import run_on_ranks, shutdown_rank_pool
-from vescale.dtensor.testing.memory import PeakResident
+from vescale.dtensor.testing.memory import PeakHeapInUse, PeakResident
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,19 +339,20 @@ def benchmark_rank(
     return result
 
 
-def step_memory(native: StepRunner, ours: StepRunner, batch: torch.Tensor) -> dict[str, int]:
-    """Per variant, the worst rank's peak resident growth during one training step (bytes).
+def step_memory(native: StepRunner, ours: StepRunner, batch: torch.Tensor) -> dict[str, dict[str, int]]:
+    """Per variant, the worst rank's peak growth during one training step (bytes): of malloc's
+    bytes in use (the checked figure) and of the resident set.
 
-    Both models live in this process, so the step's growth is measured over the resident size
-    just before it (activations, gradients and temporaries, not the weights and Adam state).
+    Both models live in this process, so a step's growth is measured over what was alive just
+    before it (activations, gradients and temporaries, not the weights and Adam state).
     """
     memory = {}
     for name, runner in (("native", native), ("vescale", ours)):
-        with PeakResident() as peak:
+        with PeakResident() as resident, PeakHeapInUse() as heap:
             runner.step(batch)
-        worst = torch.tensor([peak.growth], dtype=torch.float64)
+        worst = torch.tensor([resident.growth, heap.growth], dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        memory[name] = int(worst.item())
+        memory[name] = {"resident": int(worst[0].item()), "heap": int(worst[1].item())}
     return memory
 
 
@@ -392,6 +395,10 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _mib_pair(memory: dict[str, dict[str, int]], kind: str) -> str:
+    return f"{memory['native'][kind] / 2**20:.1f} / {memory['vescale'][kind] / 2**20:.1f}"
+
+
 def report(tp: int, sequence_parallel: bool, size: ModelSize, result: dict) -> bool:
     """Print the tables of one configuration; return whether the block traffic matches Megatron."""
     label = f"TP={tp}, SP {'on' if sequence_parallel else 'off'}"
@@ -407,7 +414,8 @@ def report(tp: int, sequence_parallel: bool, size: ModelSize, result: dict) -> b
                 "native ms",
                 "veScale ms",
                 "ratio (goal <= 1.00)",
-                "step peak MiB native / veScale",
+                "step peak heap in use MiB native / veScale",
+                "step peak resident MiB native / veScale",
                 "step-0 loss rel err",
                 "max loss rel err",
             ],
@@ -416,7 +424,8 @@ def report(tp: int, sequence_parallel: bool, size: ModelSize, result: dict) -> b
                     f"{native_ms:.1f}",
                     f"{vescale_ms:.1f}",
                     f"{vescale_ms / native_ms:.3f}",
-                    f"{memory['native'] / 2**20:.1f} / {memory['vescale'] / 2**20:.1f}",
+                    _mib_pair(memory, "heap"),
+                    _mib_pair(memory, "resident"),
                     f"{first_error:.1e}" + (" ok" if first_error <= 1e-5 else " FAIL"),
                     f"{max_error:.1e}",
                 ]
@@ -526,10 +535,14 @@ def main() -> None:
     write_rows(arguments.json, rows)
 
 
-def _bench_row(name: str, ours: list[float], native: list[float], ours_peak: int, native_peak: int) -> dict:
+def _bench_row(
+    name: str, ours: list[float], native: list[float], ours_peak: dict[str, int], native_peak: dict[str, int]
+) -> dict:
     from bench_rows import bench_row
 
-    return bench_row("tp_step", name, ours, native, ours_peak, native_peak)
+    resident = (ours_peak["resident"], native_peak["resident"])
+    peaks = (ours_peak["heap"], native_peak["heap"])
+    return bench_row("tp_step", name, ours, native, *peaks, resident_peaks=resident)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from vescale.doptim import DistributedOptimizer, clip_grad_norm_, data_parallel, zero
+from vescale.doptim import DistributedOptimizer, clip_grad_norm_, data_parallel, reduction, zero
 from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.models.mlp import build_tiny_mlp, mlp_batches, mse_loss
@@ -80,11 +80,11 @@ def sgd_first_step_gradients(zero_stage: int) -> dict[str, torch.Tensor]:
 
 
 def parallel_training(
-    zero_stage: int, publish_by_broadcast: bool = True
+    zero_stage: int, gloo_paths: bool = True
 ) -> tuple[dict[str, torch.Tensor], list[float], dict[str, torch.Tensor]]:
-    if not publish_by_broadcast:
-        # Publish the stepped chunks by all-gather (NCCL's path) on gloo too; restored after the run.
-        with _no_broadcast_backends():
+    if not gloo_paths:
+        # NCCL's collectives on gloo too; restored after the run.
+        with _nccl_paths():
             return parallel_training(zero_stage)
     dp_size, rank = dist.get_world_size(), dist.get_rank()
     model = data_parallel_mlp(dp_size, zero_stage)
@@ -103,27 +103,31 @@ def parallel_training(
 
 
 @contextlib.contextmanager
-def _no_broadcast_backends() -> Iterator[None]:
-    saved, zero.BROADCAST_BACKENDS = zero.BROADCAST_BACKENDS, frozenset()
+def _nccl_paths() -> Iterator[None]:
+    """Gloo taking the collectives NCCL takes: chunks published by all-gather (not broadcasts) and
+    ZeRO-2 buckets reduce-scattered (not all-reduced in place)."""
+    saved = zero.BROADCAST_BACKENDS, reduction.ALL_REDUCE_SCATTER_BACKENDS
+    zero.BROADCAST_BACKENDS = reduction.ALL_REDUCE_SCATTER_BACKENDS = frozenset()
     try:
         yield
     finally:
-        zero.BROADCAST_BACKENDS = saved
+        zero.BROADCAST_BACKENDS, reduction.ALL_REDUCE_SCATTER_BACKENDS = saved
 
 
 @pytest.mark.parametrize(
-    ("zero_stage", "publish_by_broadcast"),
+    ("zero_stage", "gloo_paths"),
     [(0, True), (1, True), (1, False), (2, True), (2, False), (3, True)],
-    ids=["zero0", "zero1-broadcast", "zero1-all-gather", "zero2-broadcast", "zero2-all-gather", "zero3"],
+    ids=["zero0", "zero1-gloo-paths", "zero1-nccl-paths", "zero2-gloo-paths", "zero2-nccl-paths", "zero3"],
 )
 @pytest.mark.parametrize("dp_size", [2, 4])
-def test_adamw_with_clipping_matches_single_process(dp_size, zero_stage, publish_by_broadcast):
-    # ZeRO 1-2 publish the stepped chunks by broadcasts on gloo and by all-gathers elsewhere (NCCL):
-    # both paths run here.
+def test_adamw_with_clipping_matches_single_process(dp_size, zero_stage, gloo_paths):
+    # ZeRO 1-2 publish the stepped chunks by broadcasts on gloo and by all-gathers elsewhere (NCCL),
+    # and ZeRO-2 all-reduces its buckets in place on gloo where NCCL reduce-scatters them: both
+    # sets of paths run here.
     reference = reference_training()
     assert max(reference.grad_norms) > MAX_NORM
-    label = f"dp={dp_size} zero={zero_stage} broadcast={publish_by_broadcast}"
-    arguments = (zero_stage, publish_by_broadcast)
+    label = f"dp={dp_size} zero={zero_stage} gloo_paths={gloo_paths}"
+    arguments = (zero_stage, gloo_paths)
     for params, norms, gradients in run_on_ranks(parallel_training, world_size=dp_size, args=arguments):
         for norm, reference_norm in zip(norms, reference.grad_norms, strict=True):
             assert abs(norm - reference_norm) <= NORM_RTOL * reference_norm

@@ -93,6 +93,28 @@ def test_the_backends_all_gather_and_reduce_scatter_cost_their_measured_factor_o
     assert _part(profile, zero0, gloo_like, "data_parallel") == _part(profile, zero0, A100, "data_parallel")
 
 
+def test_zero_2_reduces_gradients_by_all_reduce_where_the_reduce_scatter_costs_more(llama):
+    # gloo's reduce-scatter all-reduces a copy of the bucket (3x a ring's half here, 1.5 all-reduces):
+    # vescale.doptim all-reduces ZeRO-2's buckets in place there, so its gradient reduction costs
+    # ZeRO-0's all-reduce, and the stages differ by the publish alone.
+    profile, _ = llama
+    gloo_like = dataclasses.replace(A100, reduce_scatter_factor=3.0)
+    link = collectives.axis_link(gloo_like, 8, 1)
+    gradient_bytes = sum(record.numel for record in profile.parameters) * 2.0
+    zero2 = ParallelChoices(sequence_length=2048, mixed_precision="bf16", data_parallel_size=8, zero_stage=2)
+    zero0 = dataclasses.replace(zero2, zero_stage=0)
+    publish = collectives.zero_publish_seconds(link, gradient_bytes)
+    assert _part(profile, zero2, gloo_like, "data_parallel") - publish == pytest.approx(
+        _part(profile, zero0, gloo_like, "data_parallel"), rel=1e-9
+    )
+    # Where the reduce-scatter is the ring's half (NCCL), ZeRO-2 reduce-scatters: less than ZeRO-0.
+    ring = collectives.axis_link(A100, 8, 1)
+    ring_publish = collectives.zero_publish_seconds(ring, gradient_bytes)
+    assert _part(profile, zero2, A100, "data_parallel") - ring_publish < _part(
+        profile, zero0, A100, "data_parallel"
+    )
+
+
 def test_zero_1_and_2_publish_the_stepped_parameters_at_the_backends_measured_factor(llama):
     # On gloo vescale.doptim publishes by in-place broadcasts (measured below gloo's all-gather);
     # the exposed publish after the step is the ring all-gather's time times zero_publish_factor.

@@ -4,7 +4,9 @@ Two results: the whole averaged bucket on every rank (``"all_reduce"``, DDP and 
 only this rank's chunk of it (``"reduce_scatter"``, ZeRO-2). Two orders:
 
 * default: one ``all_reduce`` / ``reduce_scatter_tensor`` (the backend picks the summation
-  order), then a division by the dp size;
+  order), then a division by the dp size; on backends whose reduce-scatter all-reduces a copy
+  of its input (:data:`ALL_REDUCE_SCATTER_BACKENDS`, gloo) the bucket is all-reduced in place
+  and the chunk copied out: the same sums, without the full-size copy;
 * deterministic: an ``all_to_all`` hands every rank the other ranks' copies of its chunk,
   which it sums in rank order 0, 1, 2, ... and divides by the dp size, so each element is
   ``(((g_0 + g_1) + g_2) + ...) / n`` exactly, as one process accumulating the ranks'
@@ -33,6 +35,7 @@ from vescale.doptim.buckets import Bucket
 from vescale.doptim.errors import DataParallelConfigError
 
 __all__ = [
+    "ALL_REDUCE_SCATTER_BACKENDS",
     "REDUCTION_RESULTS",
     "BucketReduction",
     "RankOrderedReduceScatter",
@@ -43,6 +46,10 @@ __all__ = [
 ]
 
 REDUCTION_RESULTS = ("all_reduce", "reduce_scatter")
+# Backends whose reduce-scatter all-reduces a full-size copy of its input and keeps the chunk
+# (gloo: a 24 MiB bucket on 4 ranks took 26 MiB more memory at its peak, and longer, than the
+# in-place all-reduce, +2 MiB): a reduce-scatter result is all-reduced in place there instead.
+ALL_REDUCE_SCATTER_BACKENDS = frozenset({"gloo"})
 
 # torch 2.13 renamed the flat collectives and deprecated the old names (2.11 has only those).
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -107,6 +114,8 @@ class BucketReduction:
     received: torch.Tensor | None
     grad_chunk: torch.Tensor | None
     done: bool = False
+    # A reduce-scatter run as an in-place all-reduce: the chunk is copied out of the bucket.
+    chunk_from_buffer: bool = False
 
     def is_completed(self) -> bool:
         """Whether the collective has finished (without blocking); :meth:`wait` may still be due."""
@@ -141,6 +150,9 @@ class BucketReduction:
         dp_size = self.bucket.dp_size
         if not self.deterministic:
             averaged = self.bucket.reduced_buffer() if self.result == "all_reduce" else self._chunk()
+            if self.chunk_from_buffer:
+                start, end = self.bucket.chunk_range(dist.get_rank(self.group))
+                averaged.copy_(self.bucket.reduced_buffer()[start:end])
             averaged.div_(self.bucket.divisor)
             return
         if self.received is None:  # start_reduction receives every rank's bucket when deterministic
@@ -183,11 +195,17 @@ def start_reduction(
                 bucket.divisor
             )
         return BucketReduction(bucket, group, result, deterministic, None, None, grad_chunk, done=True)
+    chunk_from_buffer = False
     if deterministic:
         received = torch.empty_like(buffer)
         work = dist.all_to_all_single(received, buffer, group=group, async_op=True)
     elif result == "all_reduce":
         work = dist.all_reduce(buffer, group=group, async_op=True)
+    elif dist.get_backend(group) in ALL_REDUCE_SCATTER_BACKENDS:
+        work = dist.all_reduce(buffer, group=group, async_op=True)
+        chunk_from_buffer = True
     else:
         work = reduce_scatter_flat(grad_chunk, buffer, group=group, async_op=True)
-    return BucketReduction(bucket, group, result, deterministic, work, received, grad_chunk)
+    return BucketReduction(
+        bucket, group, result, deterministic, work, received, grad_chunk, chunk_from_buffer=chunk_from_buffer
+    )

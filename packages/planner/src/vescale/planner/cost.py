@@ -22,7 +22,8 @@ From the per-op records of the meta-tensor forward (:mod:`vescale.planner.op_cos
   (``j = 1 .. p-1``; all of it at ``r = 1``, none at ``r >= p``);
   **pipeline_p2p**: two activation sends per micro-batch;
 * **data_parallel**: what the runtime does not hide: the gradient all-reduce (ZeRO-0/1) or
-  reduce-scatter (ZeRO-2) beyond the last micro-batch's backward it overlaps with, plus
+  reduce-scatter (ZeRO-2; an in-place all-reduce where that is cheaper, as on gloo, whose
+  reduce-scatter all-reduces a copy) beyond the last micro-batch's backward it overlaps with, plus
   ZeRO-1/2's parameter publish after the step (an all-gather; on gloo one in-place broadcast
   per chunk owner, at the profile's ``zero_publish_factor``); ZeRO-3's per-block all-gathers and
   reduce-scatters beyond the block compute they are prefetched under (every micro-batch;
@@ -435,7 +436,11 @@ def _data_parallel_seconds(
     parameter_bytes = elements * grad_bytes
     last_backward = sum(p.backward for p in members)
     if zero < 3:
-        gradients = (all_reduce_seconds if zero < 2 else reduce_scatter_seconds)(link, parameter_bytes)
+        gradients = all_reduce_seconds(link, parameter_bytes)
+        if zero == 2:
+            # Reduce-scattered, or all-reduced in place where the backend's reduce-scatter is an
+            # all-reduce of a copy (gloo): vescale.doptim takes the cheaper.
+            gradients = min(gradients, reduce_scatter_seconds(link, parameter_bytes))
         bucket_share = min(1.0, 25 * 2**20 / max(parameter_bytes, 1.0))
         exposed = max(gradients - last_backward, gradients * bucket_share)
         if zero >= 1:

@@ -22,9 +22,9 @@ The median of ``--steps`` steps after ``--warmup`` is reported. Every rank runs 
 
 Memory is the worst rank's peak growth of malloc's bytes in use during one extra step of each
 variant (:class:`~vescale.dtensor.testing.memory.PeakHeapInUse`, the checked figure; the resident
-set's beside it), over what was in use just before that step (both models live in the same
-process, so weights and optimizer state are left out; what remains is activations, gradients
-and temporaries).
+set's beside it), over what was in use just before that step with the variant's gradients
+dropped (both models live in the same process, so weights and optimizer state are left out;
+what remains is the step's gradients, activations and temporaries).
 
 Communication is counted with :class:`vescale.dtensor.comm.CommCounter` over one extra step.
 Calls are attributed to parts of the model by order of issue: forward hooks on the embedding,
@@ -343,11 +343,16 @@ def step_memory(native: StepRunner, ours: StepRunner, batch: torch.Tensor) -> di
     """Per variant, the worst rank's peak growth during one training step (bytes): of malloc's
     bytes in use (the checked figure) and of the resident set.
 
-    Both models live in this process, so a step's growth is measured over what was alive just
-    before it (activations, gradients and temporaries, not the weights and Adam state).
+    Both models live in this process, so a step's growth is measured over what each holds with its
+    gradients dropped (its weights and Adam state): the step's gradients, activations and
+    temporaries. Over what was alive with the previous step's gradients instead, a side whose
+    gradients are larger than its parameters (torch's ``RowwiseParallel`` embedding: a Replicate,
+    full-size gradient of its ``Shard(0)`` weight, 0.75 MiB more on tp4) would be credited with
+    freeing them.
     """
     memory = {}
     for name, runner in (("native", native), ("vescale", ours)):
+        runner.optimizer.zero_grad(set_to_none=True)
         with PeakResident() as resident, PeakHeapInUse() as heap:
             runner.step(batch)
         worst = torch.tensor([resident.growth, heap.growth], dtype=torch.float64)

@@ -35,10 +35,10 @@ the warm-up and the steps: it counts the wrappers' buffers (allocated up front o
 optimizer state, gradients, activations, communication buffers and temporaries (and less for
 FSDP2/ZeRO-3, which free the unsharded parameters): of malloc's bytes in use
 (``PeakHeapInUse``), which the checked ratio uses, and of the resident set (``PeakResident``),
-shown beside it. The worst rank is reported. A
-second table divides each of ours by the single-device size (fp32 parameters, gradients,
-AdamW's two moments) and gives the excess over the ZeRO target (1/dp of the state from stage
-1, of the gradients from stage 2, of the parameters at stage 3) in buckets (``--bucket-mb``).
+shown beside it. The worst rank is reported. A second table divides each of ours by the
+single-device size (fp32 parameters, gradients, AdamW's two moments) and gives the excess over
+the ZeRO target (1/dp of the state from stage 1, of the gradients from stage 2, of the
+parameters at stage 3) in buckets (``--bucket-mb``).
 """
 
 from __future__ import annotations
@@ -169,12 +169,7 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def benchmark_rank(
-    variant: str,
-    width: int,
-    layers: int,
-    rows: int,
-    steps: int,
-    bucket_size_mb: float,
+    variant: str, width: int, layers: int, rows: int, steps: int, bucket_size_mb: float
 ) -> dict:
     torch.manual_seed(0)
     model = WideMLP(width, layers)

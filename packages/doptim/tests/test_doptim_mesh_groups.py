@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from vescale.doptim.mesh_groups import mesh_dims_group
 from vescale.dtensor import init_mesh
-from vescale.dtensor.testing import run_on_ranks
+from vescale.dtensor.testing import run_on_ranks, shutdown_rank_pool
 
 # A mesh that outlives its world, as one caught in a reference cycle does until the cyclic
 # collector runs (the test ranks are pooled: the next test's world starts in the same process).
@@ -33,6 +33,9 @@ def _group_of_an_equal_mesh_in_a_new_world() -> tuple[int, list[int], str]:
 
 
 def test_an_equal_mesh_of_a_later_world_gets_groups_of_that_world():
+    # Fresh ranks: ranks that earlier tests left with many process-group threads are recycled after
+    # a run (RECYCLE_AFTER_THREADS), which between these two runs would drop the surviving mesh.
+    shutdown_rank_pool()
     first = run_on_ranks(_make_and_keep_a_dp_ep_mesh, 4)
     second = run_on_ranks(_group_of_an_equal_mesh_in_a_new_world, 4)
     # The same pooled processes ran both worlds; otherwise this test would not test anything.

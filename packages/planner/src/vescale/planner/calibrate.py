@@ -278,7 +278,7 @@ def measure_cpu(world_size: int = 2) -> dict[str, float]:
     """The figures of the module docstring (plus ``memory_bytes`` and ``cores``): the collective
     ones the median over the ranks, the compute ones one core's scaled by the share of a core
     each of ``world_size`` ranks gets (``1 / slowdown_at_once``: about ``cores / world_size``
-    when the ranks outnumber the cores).
+    when the ranks outnumber the cores); each compute figure also unscaled, as ``one_core_<name>``.
 
     Example::
 
@@ -302,8 +302,10 @@ def measure_cpu(world_size: int = 2) -> dict[str, float]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     share = 1.0 / max(1.0, figures["slowdown_at_once"])
     for key in ("fp32_flops", "bf16_flops", "memory_bandwidth"):
+        figures[f"one_core_{key}"] = figures[key]
         figures[key] *= share
     for key in ("fp32_matmul_overhead_s", "bf16_matmul_overhead_s", "op_overhead_s", "dtensor_op_overhead_s"):
+        figures[f"one_core_{key}"] = figures[key]
         figures[key] /= share
     figures["cores"] = float(cores)
     figures["memory_bytes"] = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

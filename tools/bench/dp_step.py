@@ -13,7 +13,12 @@ in its own run on the same ``--dp`` gloo ranks, one thread per rank, from the sa
   ``static_graph=True`` and our ``--bucket-mb`` buckets) vs ours at ZeRO-0;
 * ``torch.distributed.optim.ZeroRedundancyOptimizer`` over that DDP vs ours at ZeRO-1;
 * PyTorch FSDP2 with ``reshard_after_forward=False`` everywhere (ZeRO-2: gradients and state
-  sharded, parameters kept whole) vs ours at ZeRO-2;
+  sharded, parameters kept whole) vs ours at ZeRO-2 with buckets of ``--zero2-bucket-mb``
+  (default: one block's weight, so that a bucket is no coarser than the FSDP2 unit it is
+  measured against; each block's weight is then reduced on its own, in place). ZeRO-2 holds
+  about two buckets of full-size gradients beyond its 1/dp: the default 25 MB bucket is 1/30 of
+  one block's gradients in a 7B Llama, but here it would be the whole 24 MiB model, and the
+  row would measure a model smaller than one bucket (ours 50 MiB against FSDP2's 28);
 * PyTorch FSDP2 with torchtitan's settings (``fully_shard`` per block, resharding after forward
   except the last block, and the root) vs ours at ZeRO-3, which is FSDP2 ``fully_shard`` per
   element of each ``nn.ModuleList`` and the root, driven by ``vescale.doptim``;
@@ -26,20 +31,19 @@ load from other processes on the machine hits every variant alike; the table giv
 over the repeats and the spread (min-max) of the repeats' step times, and each time ratio is
 the median of the per-repeat ratios with its own min-max.
 
-Memory per rank, as tensor bytes this rank holds (unique storages): parameters (local
-shards; fp32 masters that are views count once), gradients right after backward (``.grad``
-of parameters and masters, and our bucket buffers and ZeRO-2 chunks; PyTorch DDP's own
-buckets are internal and not counted, its peak below includes them), optimizer state after
-the step. Peak growth is over what was live once the plain model is built, through wrapping,
-the warm-up and the steps: it counts the wrappers' buffers (allocated up front or lazily),
-optimizer state, gradients, activations, communication buffers and temporaries (and less for
-FSDP2/ZeRO-3, which free the unsharded parameters): of malloc's bytes in use
-(``PeakHeapInUse``), which the checked ratio uses, and of the resident set (``PeakResident``),
-shown beside it. The worst rank is reported. A second table divides each of ours by the
-single-device size (fp32 parameters, gradients, AdamW's two moments) and gives the excess over
-the ZeRO target (1/dp of the state from stage 1, of the gradients from stage 2, of the
-parameters at stage 3) in buckets (``--bucket-mb``).
-"""
+Memory per rank, as tensor bytes this rank holds (unique storages): parameters (local shards;
+fp32 masters that are views count once), gradients right after backward (``.grad`` of
+parameters and masters, and our bucket buffers and ZeRO-2 chunks; PyTorch DDP's own buckets are
+internal and not counted, its peak below includes them), optimizer state after the step. Peak
+growth is over what was live once the plain model is built (and each variant's one-time set-up
+done, see :func:`_warm_up`), through wrapping, the warm-up step and the steps: it counts the
+wrappers' buffers (allocated up front or lazily), optimizer state, gradients, activations,
+communication buffers and temporaries (and less for FSDP2/ZeRO-3, which free the unsharded
+parameters): of malloc's bytes in use (``PeakHeapInUse``), which the checked ratio uses, and of
+the resident set (``PeakResident``), shown beside it. The worst rank is reported. A second
+table divides each of ours by the single-device size (fp32 parameters, gradients, AdamW's two
+moments) and gives the excess over the ZeRO target (1/dp of the state from stage 1, of the
+gradients from stage 2, of the parameters at stage 3) in buckets (``--bucket-mb``)."""
 
 from __future__ import annotations
 
@@ -168,9 +172,21 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     ]
 
 
+def _warm_up(variant: str, bucket_size_mb: float) -> None:
+    """One step of ``variant`` on a two-block model of width 64, before the memory baseline: each
+    side's one-time set-up (the modules it imports on first use, torch._dynamo's ~200 among
+    them for FSDP2 and for ours, 8.7 MiB of heap; gloo's first buffers) is then not counted as
+    the measured model's memory, on either side."""
+    model, optimizer = _wrap(variant, WideMLP(64, 2), bucket_size_mb)
+    model(torch.ones(2, 64)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def benchmark_rank(
     variant: str, width: int, layers: int, rows: int, steps: int, bucket_size_mb: float
 ) -> dict:
+    _warm_up(variant, bucket_size_mb)
     torch.manual_seed(0)
     model = WideMLP(width, layers)
     inputs = torch.randn(rows, width, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
@@ -238,11 +254,13 @@ def _print_time_and_memory(measured: dict[str, dict], repeats: int) -> None:
             print(f"| {ours} | {other} | {_spread(ratios)} | {heap_ratio:.3f} | {resident_ratio:.3f} |")
 
 
-def _print_zero_targets(measured: dict[str, dict], numel: int, dp: int, bucket_mb: float) -> None:
+def _print_zero_targets(
+    measured: dict[str, dict], numel: int, dp: int, bucket_mb: float, zero2_bucket_mb: float
+) -> None:
     single = {"params": numel * 4, "grads": numel * 4, "state": 2 * numel * 4}
     print(
         f"\n| ours | params / single | grads / single | state / single | target (1/dp = {1 / dp:.3f}) | "
-        f"largest excess over target (buckets of {bucket_mb:g} MB) |"
+        f"largest excess over target, in buckets ({bucket_mb:g} MB; ZeRO-2 {zero2_bucket_mb:g} MB) |"
     )
     print("|---|---:|---:|---:|---|---:|")
     for variant, row in measured.items():
@@ -254,9 +272,10 @@ def _print_zero_targets(measured: dict[str, dict], numel: int, dp: int, bucket_m
             row[key] - single[key] / dp if sharded[key] else row[key] - single[key] for key in single
         )
         targets = ", ".join(key for key in single if sharded[key]) or "none"
+        bucket_bytes = (zero2_bucket_mb if zero_stage == 2 else bucket_mb) * 2**20
         print(
             f"| {variant} | {row['params'] / single['params']:.3f} | {row['grads'] / single['grads']:.3f} | "
-            f"{row['state'] / single['state']:.3f} | 1/dp: {targets} | {excess / (bucket_mb * 2**20):.2f} |"
+            f"{row['state'] / single['state']:.3f} | 1/dp: {targets} | {excess / bucket_bytes:.2f} |"
         )
 
 
@@ -271,11 +290,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5, help="interleaved runs (blocks) of every variant")
     parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument(
+        "--zero2-bucket-mb", type=float, help="ZeRO-2's buckets (default: one block's weight, width^2 floats)"
+    )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--json", help="write the checked rows here (for run_all.py)")
     arguments = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     numel = arguments.layers * (arguments.width**2 + arguments.width)
+    zero2_bucket_mb = arguments.zero2_bucket_mb or arguments.width**2 * 4 / MiB
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, gloo, dp={arguments.dp}; "
         f"{numel / 1e6:.1f}M parameters ({numel * 4 / MiB:.0f} MiB fp32), {arguments.rows} rows per rank; "
@@ -294,7 +317,7 @@ def main() -> None:
                     arguments.layers,
                     arguments.rows,
                     arguments.steps,
-                    arguments.bucket_mb,
+                    zero2_bucket_mb if "ZeRO-2" in variant else arguments.bucket_mb,
                 ),
                 timeout_s=600,
             )
@@ -308,7 +331,7 @@ def main() -> None:
             for key in ("params", "grads", "state", "peak", "heap"):
                 row[key] = max(row[key], *(result[key] for result in results))
     _print_time_and_memory(measured, arguments.repeats)
-    _print_zero_targets(measured, numel, arguments.dp, arguments.bucket_mb)
+    _print_zero_targets(measured, numel, arguments.dp, arguments.bucket_mb, zero2_bucket_mb)
     from bench_rows import bench_row, write_rows
 
     rows = [

@@ -43,7 +43,8 @@ parameters): of malloc's bytes in use (``PeakHeapInUse``), which the checked rat
 the resident set (``PeakResident``), shown beside it. The worst rank is reported. A second
 table divides each of ours by the single-device size (fp32 parameters, gradients, AdamW's two
 moments) and gives the excess over the ZeRO target (1/dp of the state from stage 1, of the
-gradients from stage 2, of the parameters at stage 3) in buckets (``--bucket-mb``)."""
+gradients from stage 2, of the parameters at stage 3) in buckets (``--bucket-mb``; ZeRO-2's
+``--zero2-bucket-mb``)."""
 
 from __future__ import annotations
 

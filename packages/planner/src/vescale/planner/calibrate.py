@@ -203,7 +203,8 @@ def _collective_wait_seconds(work: Callable[[], None], trials: int = 15) -> floa
 def _slowdown_at_once(work: Callable[[], None], timer: bool, rounds: int = 5) -> float:
     """How much longer the slowest rank takes ``work`` when every rank runs it at once than the
     ``timer`` rank (rank 0) alone, the others waiting in a barrier: the share of a core each rank
-    really gets, cache and scheduling included (known on every rank).
+    really gets, cache and scheduling included (known on the timer rank; 1.0 on the others,
+    whose figures :func:`measure_cpu` does not read).
 
     Alone and at once alternate for ``rounds`` rounds and each keeps its fastest: a process
     outside the ranks that takes the timer's core for a while (a test beside this one, a build)
@@ -217,9 +218,7 @@ def _slowdown_at_once(work: Callable[[], None], timer: bool, rounds: int = 5) ->
         slowest = torch.tensor([_seconds(work, 15, together=True, trials=1)])
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         at_once = min(at_once, float(slowest))
-    ratio = torch.tensor([at_once / alone if timer else 0.0])
-    dist.all_reduce(ratio, op=dist.ReduceOp.MAX)
-    return float(ratio)
+    return at_once / alone if timer else 1.0
 
 
 def _one_core_figures(mesh: DeviceMesh) -> dict[str, float]:

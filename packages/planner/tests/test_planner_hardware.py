@@ -97,3 +97,37 @@ def test_the_deterministic_constraint_reaches_the_data_parallel_section():
     plan = generate_plan(model, {**constraints, "data_parallel.deterministic": True}, world_size=2)
     assert plan.data_parallel.deterministic
     assert not generate_plan(model, constraints, world_size=2).data_parallel.deterministic
+
+
+def _slowdown_from_scripted_timings(alone_s: list[float], at_once_s: list[float]) -> float:
+    """``_slowdown_at_once`` on the ranks with ``_seconds`` replaced by a script of timings:
+    rank 0 (the timer) reads ``alone_s`` and every rank ``at_once_s`` round by round; the
+    barrier and the all-reduce of the slowest rank are real."""
+    import torch.distributed as dist
+
+    from vescale.planner import calibrate
+
+    alone, at_once = iter(alone_s), iter(at_once_s)
+
+    def scripted(work, repeats, together=False, trials=3):
+        # Rank 1 reads 1 s less at once: the all-reduce must pick rank 0's, the slowest.
+        return next(at_once) - dist.get_rank() if together else next(alone)
+
+    measured = calibrate._seconds
+    calibrate._seconds = scripted  # the rank process outlives this test: put it back after
+    try:
+        return calibrate._slowdown_at_once(lambda: None, timer=dist.get_rank() == 0, rounds=len(at_once_s))
+    finally:
+        calibrate._seconds = measured
+
+
+def test_the_slowdown_is_the_median_at_once_over_the_fastest_alone():
+    from vescale.dtensor.testing import run_on_ranks
+
+    # Alone: an outside process slowed rounds 2 and 4 (only ever adds time): the fastest, 1.0.
+    # At once: the ranks' own contention spreads; a training step meets its typical value, the
+    # median 3.0, not the luckiest round's 2.0 (which underpredicted the grid's steps).
+    slowdowns = run_on_ranks(
+        _slowdown_from_scripted_timings, 2, ([1.2, 4.0, 1.0, 3.0, 1.1], [2.0, 3.0, 9.0, 3.5, 2.5])
+    )
+    assert slowdowns == [3.0, 1.0]

@@ -206,19 +206,22 @@ def _slowdown_at_once(work: Callable[[], None], timer: bool, rounds: int = 5) ->
     really gets, cache and scheduling included (known on the timer rank; 1.0 on the others,
     whose figures :func:`measure_cpu` does not read).
 
-    Alone and at once alternate for ``rounds`` rounds and each keeps its fastest: a process
+    Alone and at once alternate for ``rounds`` rounds. Alone keeps its fastest: a process
     outside the ranks that takes the timer's core for a while (a test beside this one, a build)
-    slows the rounds it overlaps, and a median of back-to-back timings could take all of its
-    samples from such a window (two ranks on one core measured 1.12 there, against 2.2 quiet)."""
-    alone, at_once = float("inf"), float("inf")
+    only adds time, and a median of back-to-back timings could take all of its samples from such
+    a window (two ranks on one core measured 1.12 there, against 2.2 quiet). At once keeps the
+    median, as :func:`_seconds` does with ``together``: its spread is the ranks' own contention,
+    which a training step meets every step (the fastest round read 13-22% under the median at 4
+    and 8 ranks on 2 cores, and the grid's steps ran that much slower than predicted)."""
+    alone, at_once = float("inf"), []
     for _ in range(rounds):
         if timer:
             alone = min(alone, _seconds(work, 15, trials=1))
         dist.barrier()
         slowest = torch.tensor([_seconds(work, 15, together=True, trials=1)])
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        at_once = min(at_once, float(slowest))
-    return at_once / alone if timer else 1.0
+        at_once.append(float(slowest))
+    return statistics.median(at_once) / alone if timer else 1.0
 
 
 def _one_core_figures(mesh: DeviceMesh) -> dict[str, float]:

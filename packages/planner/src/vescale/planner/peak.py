@@ -23,9 +23,11 @@ peak is the largest of three moments (all sizes are bytes on one device):
   before their reduce-scatter; under expert parallelism one MoE layer's all-to-all buffers;
 * **optimizer step**: no activations; temporaries are the larger of the optimizer's
   per-tensor buffers (two tensors the size of the largest stepped tensor: AdamW's ``denom``
-  and its square root) and, under ZeRO-1/2, the buffers of the parameter all-gather (this
-  rank's chunks, ``1/dp``, and the gathered parameters, all buckets at once, plus the
-  backend's flat copy of one bucket).
+  and its square root) and, under ZeRO-1/2, the buffers of the parameter all-gather as
+  ``vescale.doptim`` publishes the stepped parameters: at most ``MAX_GATHERS_IN_FLIGHT`` (2)
+  full buckets gathered at once, each with this rank's chunk of it (``1/dp``). On backends
+  that publish by in-place broadcasts instead (gloo) the publish needs no buffer, so there
+  this moment is an upper bound (by up to three buckets at ``dp = 2``).
 
 Not modelled: allocator caching and fragmentation (on CPU they are glibc's; the benchmark
 fixes its mmap threshold so that freed tensors leave the resident set, see
@@ -43,6 +45,7 @@ import inspect
 from dataclasses import dataclass
 
 from vescale.doptim.ddp import DDP, MAX_BUCKETS_IN_FLIGHT
+from vescale.doptim.zero import MAX_GATHERS_IN_FLIGHT
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "StageSizes", "peak_moments"]
 
@@ -111,7 +114,9 @@ def peak_moments(
     unsharded = sizes.outside_parameters + sizes.largest_block_parameters if zero == 3 else 0.0
     # Deep in backward FSDP2 also holds the next block it prefetched and a block's unsharded gradients.
     unsharded_in_backward = unsharded + 2 * sizes.largest_block_parameters if zero == 3 else 0.0
-    all_gather = whole / dp + whole + bucket if dp > 1 and zero in (1, 2) else 0.0
+    # ZeRO-1/2's publish: the buckets gathered at once, each beside this rank's chunk of it.
+    gathered = min(whole, MAX_GATHERS_IN_FLIGHT * bucket)
+    all_gather = gathered + gathered / dp if dp > 1 and zero in (1, 2) else 0.0
     stepped = sizes.largest_parameter / (dp if zero >= 1 else 1)
     state = sizes.optimizer_states
     return {

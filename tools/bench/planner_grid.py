@@ -17,8 +17,9 @@ section of the plan that decides what runs the same) is not run again: its row's
 stands, so the comparison is between configurations, not between two samples of one.
 Printed: predicted vs measured step time per configuration, the Spearman rank correlation, the
 share within +-20%, per (model, world) cell how the planner's choice compares with the fastest
-measured configuration, and issue #20's goals, each checked; ``--check`` exits 1 when one is
-missed.
+measured configuration, the memory-tight cells of ``planner_tight_cells.py`` planned on the same
+profiles (the choice against the rule-based one, by the model), and issue #20's goals, each
+checked; ``--check`` exits 1 when one is missed.
 
 The machine is shared: the ranks' timings include whatever else runs on it, and every run
 prints the load average next to its table.
@@ -141,6 +142,7 @@ def _profile(world: int, directory: Path | None) -> HardwareProfile:
 
 def main() -> None:
     from bench_rows import bench_parser
+    from planner_tight_cells import report_tight_cells, tight_cells
 
     parser = bench_parser(__doc__)
     parser.add_argument("--worlds", type=int, nargs="+", default=sorted(GRID))
@@ -149,7 +151,7 @@ def main() -> None:
     parser.add_argument("--profile-dir", type=Path, default=None)
     parser.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")
     args = parser.parse_args()
-    rows = []
+    rows, tight_rows = [], []
     for world in args.worlds:
         profile = _profile(world, args.profile_dir)
         print(f"cpu profile for {world} ranks: {json.dumps(profile.to_dict())}", flush=True)
@@ -161,6 +163,9 @@ def main() -> None:
                 "global_batch_size": GLOBAL_BATCH,
                 "memory_per_device_gb": 4.0,
             }
+            tight_base = {k: v for k, v in base.items() if k != "memory_per_device_gb"}
+            tight_base["mixed_precision"] = "fp32"
+            tight_rows += tight_cells(meta_model, model_name, world, profile, tight_base)
             configs = {name: {**base, "mixed_precision": "fp32", **c} for name, c in GRID[world].items()}
             configs["planner's choice"] = {**base, "mixed_precision": "fp32"}
             measured_runs: dict[str, tuple[str, list]] = {}  # what runs -> (grid name, its times)
@@ -185,7 +190,7 @@ def main() -> None:
                     flush=True,
                 )
         shutdown_rank_pool()
-    met = _report(rows)
+    met = _report(rows, report_tight_cells(tight_rows))
     if args.check and not met:
         raise SystemExit(1)
 
@@ -210,7 +215,9 @@ def _measure(world: int, model_name: str, name: str, plan: vescale.Plan, steps: 
         return None
 
 
-def _report(rows: list) -> bool:
+def _report(rows: list, tight_goals: list[tuple[str, bool]]) -> bool:
+    from planner_tight_cells import rule_based_ratio
+
     grid = [row for row in rows if row[2] != "planner's choice"]
     predicted, measured = [r[3] for r in grid], [r[4] for r in grid]
     within = sum(abs(p / m - 1) <= 0.2 for p, m in zip(predicted, measured, strict=True))
@@ -249,6 +256,11 @@ def _report(rows: list) -> bool:
             sum(s >= 0.95 for s in speeds) >= 0.8 * len(speeds),
         ),
         ("the choice >= 90% of the best in every cell", all(s >= 0.9 for s in speeds)),
+        (
+            "grid cells: the choice never slower than the rules by the model",
+            all(rule_based_ratio(r[5]) >= 1 - 1e-9 for r in rows if r[2] == "planner's choice"),
+        ),
+        *tight_goals,
     ]
     print("\n| goal (issue #20) | met |\n|---|---|")
     for goal, met in goals:

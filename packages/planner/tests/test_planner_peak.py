@@ -10,11 +10,14 @@ to a measured peak is what ``tools/bench/plan_memory.py`` measures.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from vescale.dmodule import plan_tensor_parallel
 from vescale.dtensor.testing.models.tiny_hf import build_tiny_hf_model
-from vescale.planner import ParallelChoices, estimate_memory
+from vescale.planner import ParallelChoices, estimate_memory, generate_plan
+from vescale.planner.hardware import load_hardware
 from vescale.planner.memory import stage_sizes
 from vescale.planner.peak import DEFAULT_BUCKET_BYTES, StageSizes, peak_moments
 from vescale.planner.profile import profile_model
@@ -47,7 +50,7 @@ def test_the_estimate_is_the_largest_moment_and_its_parts_add_up(llama):
     )
     _, moments = moments_of(llama, data_parallel_size=2, zero_stage=1)
     largest = max(moments.values(), key=sum)
-    estimate = estimate_memory(llama, choices)
+    estimate = estimate_memory(llama, choices, publish_in_place=False)
     names = ["parameters", "gradients", "optimizer_states", "activations", "temporaries"]
     assert estimate.to_dict() == dict(zip(names, (int(part) for part in largest), strict=True))
     assert estimate.total == max(sum(int(part) for part in parts) for parts in moments.values())
@@ -125,7 +128,7 @@ def test_accumulated_micro_batches_start_backward_with_every_gradient_held(llama
     assert estimate.total == max(sum(int(part) for part in parts) for parts in accumulating.values())
 
 
-def test_zero1_gathers_at_most_two_buckets_at_once_however_large_the_model():
+def test_zero1_gathers_at_most_two_buckets_at_once_and_none_where_it_broadcasts_in_place():
     bucket = DEFAULT_BUCKET_BYTES
     sizes = StageSizes(
         parameters=10 * bucket,
@@ -143,3 +146,29 @@ def test_zero1_gathers_at_most_two_buckets_at_once_however_large_the_model():
         step = peak_moments(sizes, 4, zero)["optimizer step"]
         # doptim publishes bucket by bucket, two in flight: each gathered beside this rank's chunk.
         assert step[4] == 2 * bucket + 2 * bucket / 4, zero
+        # On gloo it broadcasts each owner's range in place: only AdamW's two per-tensor buffers.
+        in_place = peak_moments(sizes, 4, zero, publish_in_place=True)["optimizer step"]
+        assert in_place[4] == 2 * sizes.largest_parameter / 4, zero
+
+
+def test_a_plan_for_cpu_ranks_counts_no_gather_buffers_and_one_for_gpus_does(llama):
+    a100 = load_hardware("a100-80gb")
+    constraints = {
+        "data_parallel.size": 2,
+        "zero.stage": 1,
+        "activation_checkpointing": "full",
+        "micro_batch_size": 1,  # the search's own profile, not one scaled to another batch
+        "global_batch_size": 2,
+        "sequence_length": SEQUENCE,
+        "mixed_precision": "fp32",
+        "memory_per_device_gb": 1.0,
+    }
+    gpus = generate_plan(llama, constraints, world_size=2, hardware=a100)
+    cpus = generate_plan(llama, constraints, world_size=2, hardware=dataclasses.replace(a100, name="cpu"))
+    whole = parameter_bytes(llama)
+    # GPUs all-gather the one bucket beside this rank's chunk at the step, its largest moment here.
+    assert gpus.memory_estimate.temporaries == whole + whole // 2
+    assert cpus.memory_estimate.total < gpus.memory_estimate.total
+    # estimate_memory of a plan assumes what generate_plan assumed for its hardware.
+    assert estimate_memory(llama, gpus) == gpus.memory_estimate
+    assert estimate_memory(llama, cpus) == cpus.memory_estimate

@@ -54,7 +54,7 @@ from vescale.planner._sequence_length import default_sequence_length, profile_at
 from vescale.planner.constraints import Constraints
 from vescale.planner.errors import ConstraintError, PlanError
 from vescale.planner.hardware import HardwareProfile, load_hardware
-from vescale.planner.memory import MemoryEstimate, ParallelChoices, estimate_from_profile
+from vescale.planner.memory import MemoryEstimate, ParallelChoices, estimate_from_profile, publishes_in_place
 from vescale.planner.plan import Plan
 from vescale.planner.profile import ModelProfile, profile_model
 from vescale.planner.search import Cluster
@@ -143,14 +143,24 @@ def generate_plan(
             model, *default_sequence_length(model)
         )
         profiles = {1: profile}
+    # ZeRO-1/2's publish needs no gather buffers on gloo (CPU ranks).
+    in_place = publishes_in_place(hardware_profile.name if hardware_profile is not None else None)
     if hardware_profile is None:
         choices, estimate = _rule_based_choice(
-            model, constraints, world_size, per_node, budget, sequence_length, auto, profiles
+            model, constraints, world_size, per_node, budget, sequence_length, auto, profiles, in_place
         )
         return assemble_plan(model, auto, constraints, choices, estimate, budget, reasons, per_node)
     try:
         rule_choice = _rule_based_choice(
-            model, constraints, world_size, per_node, budget, sequence_length, auto, profiles
+            model,
+            constraints,
+            world_size,
+            per_node,
+            budget,
+            sequence_length,
+            auto,
+            profiles,
+            in_place,
         )[0]
     except ConstraintError:
         rule_choice = None
@@ -208,6 +218,7 @@ def _rule_based_choice(
     sequence_length: int,
     auto: AutoShardingResult | None,
     profiles: dict[int, ModelProfile],
+    publish_in_place: bool,
 ) -> tuple[ParallelChoices, MemoryEstimate]:
     """Megatron's rules: the first candidate in the rule order whose estimate fits the budget."""
     mixed_precision = constraints.mixed_precision or "fp32"
@@ -236,7 +247,7 @@ def _rule_based_choice(
         )
         if micro not in profiles:
             profiles[micro] = profile_model(model, sequence_length, micro)
-        estimate = estimate_from_profile(profiles[micro], choices)
+        estimate = estimate_from_profile(profiles[micro], choices, publish_in_place=publish_in_place)
         if smallest is None or estimate.total < smallest[1].total:
             smallest = (choices, estimate)
         if estimate.total <= budget * _GIB:

@@ -69,6 +69,7 @@ __all__ = [
     "estimate_from_profile",
     "estimate_memory",
     "peak_of_stages",
+    "publishes_in_place",
     "stage_sizes",
 ]
 
@@ -351,18 +352,23 @@ def _sizes_and_divisors(profile: ModelProfile, choices: ParallelChoices) -> list
     return [_stage_sizes(profile, choices, side) for side in sides]
 
 
-def estimate_from_profile(profile: ModelProfile, choices: ParallelChoices) -> MemoryEstimate:
-    """The peak memory per device of ``choices`` from a profile (module docstring, :mod:`~.peak`).
+def estimate_from_profile(
+    profile: ModelProfile, choices: ParallelChoices, *, publish_in_place: bool = False
+) -> MemoryEstimate:
+    """The peak memory per device of ``choices`` from a profile (module docstring, :mod:`~.peak`);
+    ``publish_in_place`` where ZeRO-1/2 publish by in-place broadcasts (gloo: CPU ranks).
 
     Example::
 
         profile = profile_model(model, sequence_length=512)
         estimate_from_profile(profile, ParallelChoices(sequence_length=512)).total
     """
-    return peak_of_stages(_sizes_and_divisors(profile, choices), choices)
+    return peak_of_stages(_sizes_and_divisors(profile, choices), choices, publish_in_place=publish_in_place)
 
 
-def peak_of_stages(stages: Iterable[tuple[StageSizes, float]], choices: ParallelChoices) -> MemoryEstimate:
+def peak_of_stages(
+    stages: Iterable[tuple[StageSizes, float]], choices: ParallelChoices, *, publish_in_place: bool = False
+) -> MemoryEstimate:
     """The largest peak (:func:`~vescale.planner.peak.peak_moments`) over the pipeline stages that
     bound memory, each given as its sizes and the divisor ZeRO applies to its states.
 
@@ -372,7 +378,13 @@ def peak_of_stages(stages: Iterable[tuple[StageSizes, float]], choices: Parallel
     """
     best: MemoryEstimate | None = None
     for sizes, divisor in stages:
-        moments = peak_moments(sizes, divisor, choices.zero_stage, num_microbatches=choices.num_microbatches)
+        moments = peak_moments(
+            sizes,
+            divisor,
+            choices.zero_stage,
+            num_microbatches=choices.num_microbatches,
+            publish_in_place=publish_in_place,
+        )
         estimate = MemoryEstimate(*(int(part) for part in max(moments.values(), key=sum)))
         if best is None or estimate.total > best.total:
             best = estimate
@@ -383,8 +395,27 @@ def peak_of_stages(stages: Iterable[tuple[StageSizes, float]], choices: Parallel
     return best
 
 
-def estimate_memory(model: nn.Module, plan_choices: Any) -> MemoryEstimate:
-    """The memory per device of running ``model`` with ``plan_choices`` (a ``ParallelChoices`` or ``Plan``).
+def publishes_in_place(hardware_name: str | None) -> bool:
+    """Whether ZeRO-1/2 publish by in-place broadcasts (gloo) on the devices a plan is for: the
+    ``cpu`` profile's, or without a profile (``None``) this machine's when it has no GPU.
+
+    Example::
+
+        publishes_in_place("h100-80gb")  # False: NCCL all-gathers into buffers
+    """
+    if hardware_name is None:
+        import torch
+
+        return not torch.cuda.is_available()
+    return hardware_name == "cpu"
+
+
+def estimate_memory(
+    model: nn.Module, plan_choices: Any, *, publish_in_place: bool | None = None
+) -> MemoryEstimate:
+    """The memory per device of running ``model`` with ``plan_choices`` (a ``ParallelChoices`` or ``Plan``);
+    ``publish_in_place`` where ZeRO-1/2 publish by in-place broadcasts (gloo: CPU ranks), by default
+    as ``generate_plan`` assumed (:func:`publishes_in_place` of a plan's hardware, else this machine).
 
     Example::
 
@@ -396,5 +427,8 @@ def estimate_memory(model: nn.Module, plan_choices: Any) -> MemoryEstimate:
         raise PlanError(
             f"estimate_memory takes a ParallelChoices or a Plan, got {type(plan_choices).__name__}"
         )
+    if publish_in_place is None:
+        performance = getattr(plan_choices, "performance", None)
+        publish_in_place = publishes_in_place(performance.hardware if performance is not None else None)
     profile = profile_model(model, choices.sequence_length, choices.micro_batch_size)
-    return estimate_from_profile(profile, choices)
+    return estimate_from_profile(profile, choices, publish_in_place=publish_in_place)

@@ -25,9 +25,8 @@ peak is the largest of three moments (all sizes are bytes on one device):
   per-tensor buffers (two tensors the size of the largest stepped tensor: AdamW's ``denom``
   and its square root) and, under ZeRO-1/2, the buffers of the parameter all-gather as
   ``vescale.doptim`` publishes the stepped parameters: at most ``MAX_GATHERS_IN_FLIGHT`` (2)
-  full buckets gathered at once, each with this rank's chunk of it (``1/dp``). On backends
-  that publish by in-place broadcasts instead (gloo) the publish needs no buffer, so there
-  this moment is an upper bound (by up to three buckets at ``dp = 2``).
+  full buckets gathered at once, each with this rank's chunk of it (``1/dp``); none where it
+  publishes by in-place broadcasts (``publish_in_place``: gloo, CPU ranks).
 
 Not modelled: allocator caching and fragmentation (on CPU they are glibc's; the benchmark
 fixes its mmap threshold so that freed tensors leave the resident set, see
@@ -86,11 +85,14 @@ def peak_moments(
     *,
     num_microbatches: int = 1,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    publish_in_place: bool = False,
 ) -> dict[str, tuple[float, float, float, float, float]]:
     """``{moment: (parameters, gradients, optimizer_states, activations, temporaries)}`` (module docstring).
 
     ``data_parallel_size`` is what ZeRO divides the parameters by: the dp size, or under expert
     parallelism an equivalent non-integer divisor (:mod:`vescale.planner.memory`).
+    ``publish_in_place``: ZeRO-1/2 publish the stepped parameters by in-place broadcasts (as
+    ``vescale.doptim`` does on gloo), with no gather buffers.
 
     Example::
 
@@ -116,7 +118,8 @@ def peak_moments(
     unsharded_in_backward = unsharded + 2 * sizes.largest_block_parameters if zero == 3 else 0.0
     # ZeRO-1/2's publish: the buckets gathered at once, each beside this rank's chunk of it.
     gathered = min(whole, MAX_GATHERS_IN_FLIGHT * bucket)
-    all_gather = gathered + gathered / dp if dp > 1 and zero in (1, 2) else 0.0
+    gathers = dp > 1 and zero in (1, 2) and not publish_in_place
+    all_gather = gathered + gathered / dp if gathers else 0.0
     stepped = sizes.largest_parameter / (dp if zero >= 1 else 1)
     state = sizes.optimizer_states
     return {

@@ -41,6 +41,7 @@ from vescale.planner.memory import (
     ParallelChoices,
     estimate_from_profile,
     peak_of_stages,
+    publishes_in_place,
     stage_sizes,
 )
 from vescale.planner.profile import ModelProfile
@@ -131,12 +132,13 @@ def _in_flight(choices: ParallelChoices) -> int:
 class _MemoryCache:
     """Stage sizes per memory-relevant key, with ZeRO's division of the optimizer state applied after."""
 
-    def __init__(self) -> None:
+    def __init__(self, publish_in_place: bool) -> None:
         self.sizes: dict[tuple[Any, ...], list[Any]] = {}
+        self.publish_in_place = publish_in_place
 
     def estimate(self, profile: ModelProfile, choices: ParallelChoices) -> MemoryEstimate:
         if choices.expert_parallel_size > 1:  # ZeRO divides experts and the rest differently
-            return estimate_from_profile(profile, choices)
+            return estimate_from_profile(profile, choices, publish_in_place=self.publish_in_place)
         key = (
             id(profile),
             choices.tensor_parallel_size,
@@ -153,7 +155,9 @@ class _MemoryCache:
         dp, stages = choices.data_parallel_size, self.sizes[key]
         if choices.zero_stage >= 1:
             stages = [dataclasses.replace(s, optimizer_states=s.optimizer_states / dp) for s in stages]
-        return peak_of_stages([(sizes, dp) for sizes in stages], choices)
+        return peak_of_stages(
+            [(sizes, dp) for sizes in stages], choices, publish_in_place=self.publish_in_place
+        )
 
 
 @dataclass(frozen=True)
@@ -195,7 +199,8 @@ def search_plans(
     """
     hardware, per_node, budget_gib = cluster.hardware, cluster.per_node, cluster.budget_gib
     sizes = _sizes_with_experts(cluster.world_size, constraints, per_node, head_counts, profile, expert_sizes)
-    memory, scaled, ranked, smallest = _MemoryCache(), {}, [], None
+    memory = _MemoryCache(publish_in_place=publishes_in_place(hardware.name))
+    scaled, ranked, smallest = {}, [], None
     parts_cache: dict[tuple[Any, ...], dict[int | str, Any]] = {}
     splits: dict[tuple[Any, ...], tuple[int, ...]] = {}
     limit = budget_gib * _GIB * (1 - margin)

@@ -15,8 +15,10 @@ layer that ``vescale.parallelize`` applies (training calls then pass ``use_cache
 ``vescale.parallelize`` does). Every dp rank trains on its own rows of the global batch.
 
 Measured: the peak resident-set growth per rank over the baseline taken after imports, the
-process group and one warm-up step of a tiny model (one-time library set-up: thread pools,
-kernels' scratch), through model set-up and ``--steps`` training steps. The peak is the larger
+process group, one warm-up step of a tiny model (one-time library set-up: thread pools,
+kernels' scratch) and one of a 64-wide model of the same structure under the same plan (the
+plan's own one-time set-up: under tp2 12 MiB, constant in the model's width, which the estimate
+of tensors does not model), through model set-up and ``--steps`` training steps. The peak is the larger
 of the kernel's own high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs`` at the
 baseline, after ``malloc_trim``: no sampling, so no short-lived tensor is missed however loaded
 the machine is; the kernel batches its counters, so it may trail by a few hundred KiB) and the
@@ -67,13 +69,14 @@ PLANS: dict[str, tuple[int, dict]] = {
 }
 
 
-def llama_config():
+def llama_config(hidden: int = 512):
+    """The measured Llama; a smaller ``hidden`` gives the warm-up's model of the same structure."""
     return memory_llama_config(
-        512, 1024, num_attention_heads=8, num_key_value_heads=4, sequence_length=SEQUENCE_LENGTH
+        hidden, 2 * hidden, num_attention_heads=8, num_key_value_heads=4, sequence_length=SEQUENCE_LENGTH
     )
 
 
-def _build(plan_json: str, mesh):
+def _build(plan_json: str, mesh, hidden: int = 512):
     from transformers import LlamaForCausalLM
 
     from vescale.dmodule import deferred_init, materialize_module, parallelize_module
@@ -82,7 +85,7 @@ def _build(plan_json: str, mesh):
 
     plan = Plan.from_json(plan_json)
     torch.manual_seed(0)
-    model = deferred_init(LlamaForCausalLM, llama_config())
+    model = deferred_init(LlamaForCausalLM, llama_config(hidden))
     if plan.sharding_plan is not None:
         parallelize_module(model, mesh, plan.sharding_plan)
     else:
@@ -97,8 +100,21 @@ def _build(plan_json: str, mesh):
     return model
 
 
-def measure_rank(plan_json: str, steps: int, glibc_default: bool) -> dict:
+def _train_step(model, optimizer, micro_batches) -> None:
+    for input_ids in micro_batches:
+        model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _optimizer(model, plan):
     from vescale.doptim import DistributedOptimizer
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return DistributedOptimizer(optimizer) if plan.mesh_size("dp") > 1 else optimizer
+
+
+def measure_rank(plan_json: str, steps: int, glibc_default: bool) -> dict:
     from vescale.dtensor import init_mesh
     from vescale.dtensor.testing.memory import (
         PeakResident,
@@ -122,15 +138,18 @@ def measure_rank(plan_json: str, steps: int, glibc_default: bool) -> dict:
     )
     share = plan.global_batch_size // plan.mesh_size("dp")
     micro_batches = rows[dp_rank * share : (dp_rank + 1) * share].split(plan.micro_batch_size)
+    # The plan's own one-time set-up (its collectives' and DTensor dispatch's first calls: 12 MiB
+    # under tp2 whatever the model's size) on a 64-wide model of the same structure.
+    tiny = _build(plan_json, mesh, hidden=64)
+    _train_step(tiny, _optimizer(tiny, plan), micro_batches)
+    del tiny
     dist.barrier()
     reset_high_water_mark()
     base = trimmed_resident_bytes()
     forward_growth = 0
     with PeakResident() as sampled:
         model = _build(plan_json, mesh)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        if plan.mesh_size("dp") > 1:
-            optimizer = DistributedOptimizer(optimizer)
+        optimizer = _optimizer(model, plan)
         for _ in range(steps):
             for input_ids in micro_batches:
                 before_forward = trimmed_resident_bytes()

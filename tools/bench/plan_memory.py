@@ -8,7 +8,8 @@ Each plan is chosen by ``generate_plan(model, constraints, world_size=N)`` for a
 ``transformers`` model (14M parameters, float32: tens of MiB of states and activations per rank)
 and applied with the component APIs on ``N`` CPU gloo ranks, one thread each:
 ``vescale.dmodule.deferred_init`` + ``parallelize_module`` with the plan's sharding plan (or
-``materialize_module`` without tensor parallelism), ``vescale.doptim.data_parallel`` at the
+``materialize_module`` without tensor parallelism; pipeline plans through ``vescale.parallelize``,
+whose pipeline splits each call into the plan's micro-batches), ``vescale.doptim.data_parallel`` at the
 plan's ZeRO stage and ``DistributedOptimizer(AdamW)``, and, when the plan asks for
 ``activation_checkpointing`` ``"full"`` or ``"selective"``, the checkpointing of each decoder
 layer that ``vescale.parallelize`` applies (training calls then pass ``use_cache=False``, as
@@ -44,6 +45,7 @@ from vescale.dtensor.testing.models.tiny_hf import MEMORY_LLAMA_VOCAB, memory_ll
 MiB = 2**20
 SEQUENCE_LENGTH = 256
 MICRO_BATCH = 2
+PIPELINE = {"pipeline_parallel.num_microbatches": 4, "pipeline_parallel.schedule": "1f1b"}
 # name -> (world size, constraints); sequence length and batch are added for every plan.
 PLANS: dict[str, tuple[int, dict]] = {
     "dp2 ZeRO-1": (2, {"data_parallel.size": 2, "zero.stage": 1}),
@@ -63,6 +65,26 @@ PLANS: dict[str, tuple[int, dict]] = {
         {"tensor_parallel.size": 2, "sequence_parallel": True, "activation_checkpointing": "full"},
     ),
     "dp2xtp2 SP ZeRO-2": (4, {"data_parallel.size": 2, "tensor_parallel.size": 2, "zero.stage": 2}),
+    # Through vescale.parallelize (torch.distributed.pipelining): 4 micro-batches per step.
+    "pp2 1F1B": (2, {"pipeline_parallel.size": 2, "data_parallel.size": 1, **PIPELINE}),
+    "pp2 GPipe": (
+        2,
+        {
+            "pipeline_parallel.size": 2,
+            "data_parallel.size": 1,
+            **PIPELINE,
+            "pipeline_parallel.schedule": "gpipe",
+        },
+    ),
+    "pp2 1F1B ckpt": (
+        2,
+        {
+            "pipeline_parallel.size": 2,
+            "data_parallel.size": 1,
+            **PIPELINE,
+            "activation_checkpointing": "full",
+        },
+    ),
     # Chosen by generate_plan alone for a small budget: its measured peak must stay under it.
     "auto, 0.25 GiB": (2, {"memory_per_device_gb": 0.25}),
     "auto, 0.2 GiB": (2, {"memory_per_device_gb": 0.2}),
@@ -100,9 +122,24 @@ def _build(plan_json: str, mesh, hidden: int = 512):
     return model
 
 
-def _train_step(model, optimizer, micro_batches) -> None:
+def _parallelized(plan_json: str, hidden: int = 512):
+    """A pipeline plan's model and optimizer, through ``vescale.parallelize`` (its only way in)."""
+    from transformers import LlamaForCausalLM
+
+    import vescale
+
+    plan = vescale.Plan.from_json(plan_json)
+    torch.manual_seed(0)
+    model = vescale.deferred_init(LlamaForCausalLM, llama_config(hidden))
+    model, optimizer, _, _ = vescale.parallelize(
+        plan, model, lambda module: torch.optim.AdamW(module.parameters(), lr=1e-4)
+    )
+    return model, optimizer
+
+
+def _train_step(model, optimizer, micro_batches, **call) -> None:
     for input_ids in micro_batches:
-        model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
+        model(input_ids=input_ids, labels=input_ids, **call).loss.backward()
     optimizer.step()
     optimizer.zero_grad()
 
@@ -140,20 +177,31 @@ def measure_rank(plan_json: str, steps: int, glibc_default: bool) -> dict:
     micro_batches = rows[dp_rank * share : (dp_rank + 1) * share].split(plan.micro_batch_size)
     # The plan's own one-time set-up (its collectives' and DTensor dispatch's first calls: 12 MiB
     # under tp2 whatever the model's size) on a 64-wide model of the same structure.
-    tiny = _build(plan_json, mesh, hidden=64)
-    _train_step(tiny, _optimizer(tiny, plan), micro_batches)
-    del tiny
+    pipelined = plan.mesh_size("pp") > 1
+    # vescale.parallelize's pipeline passes use_cache=False itself.
+    call = {} if pipelined else {"use_cache": False}
+    if pipelined:  # the pipeline splits the rank's rows into its micro-batches itself
+        micro_batches = [torch.cat(micro_batches)]
+        tiny, tiny_optimizer = _parallelized(plan_json, hidden=64)
+    else:
+        tiny = _build(plan_json, mesh, hidden=64)
+        tiny_optimizer = _optimizer(tiny, plan)
+    _train_step(tiny, tiny_optimizer, micro_batches, **call)
+    del tiny, tiny_optimizer
     dist.barrier()
     reset_high_water_mark()
     base = trimmed_resident_bytes()
     forward_growth = 0
     with PeakResident() as sampled:
-        model = _build(plan_json, mesh)
-        optimizer = _optimizer(model, plan)
+        if pipelined:
+            model, optimizer = _parallelized(plan_json)
+        else:
+            model = _build(plan_json, mesh)
+            optimizer = _optimizer(model, plan)
         for _ in range(steps):
             for input_ids in micro_batches:
                 before_forward = trimmed_resident_bytes()
-                output = model(input_ids=input_ids, labels=input_ids, use_cache=False)
+                output = model(input_ids=input_ids, labels=input_ids, **call)
                 # What the forward keeps (the last step's: the optimizer state exists by then).
                 forward_growth = trimmed_resident_bytes() - before_forward
                 output.loss.backward()
@@ -172,10 +220,11 @@ def plan_for(name: str, model) -> tuple[int, object]:
 
     world_size, constraints = PLANS[name]
     dp = constraints.get("data_parallel.size", world_size)
+    microbatches = constraints.get("pipeline_parallel.num_microbatches", 1)
     sizes = {
         "sequence_length": SEQUENCE_LENGTH,
         "micro_batch_size": MICRO_BATCH,
-        "global_batch_size": dp * MICRO_BATCH,
+        "global_batch_size": dp * MICRO_BATCH * microbatches,
         "memory_per_device_gb": 64.0,
     }
     return world_size, generate_plan(model, {**sizes, **constraints}, world_size=world_size)
@@ -228,7 +277,9 @@ def main() -> None:
         cells += [f"{value / MiB:.1f}" for value in (estimate.total, worst["peak"], worst["sampled peak"])]
         cells.append(f"{estimate.total / worst['peak']:.3f}")
         forward = max(result["forward"] for result in results)
-        cells += [f"{predicted_forward_activations(meta_model, plan) / MiB:.1f}", f"{forward / MiB:.1f}"]
+        # A pipeline's call runs the backward too: what its forward keeps is not measured.
+        measured_forward = f"{forward / MiB:.1f}" if plan.mesh_size("pp") == 1 else "-"
+        cells += [f"{predicted_forward_activations(meta_model, plan) / MiB:.1f}", measured_forward]
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)
         if "memory_per_device_gb" in PLANS[name][1]:

@@ -172,3 +172,28 @@ def test_a_plan_for_cpu_ranks_counts_no_gather_buffers_and_one_for_gpus_does(lla
     # estimate_memory of a plan assumes what generate_plan assumed for its hardware.
     assert estimate_memory(llama, gpus) == gpus.memory_estimate
     assert estimate_memory(llama, cpus) == cpus.memory_estimate
+
+
+def test_a_pipelines_last_stage_keeps_every_micro_batchs_logits_and_under_gpipe_every_activation(llama):
+    microbatches = 4
+
+    def stages(schedule):
+        choices = ParallelChoices(
+            micro_batch_size=BATCH,
+            sequence_length=SEQUENCE,
+            pipeline_parallel_size=2,
+            num_microbatches=microbatches,
+            schedule=schedule,
+        )
+        return stage_sizes(profile_model(llama, SEQUENCE, BATCH), choices)
+
+    (first, last), (gpipe_first, gpipe_last) = stages("1f1b"), stages("gpipe")
+    # 1F1B: one micro-batch in flight on the last stage, its logits among its activations;
+    # vescale.dpipe keeps the other micro-batches' logits to return them all.
+    assert last.kept_outputs == (microbatches - 1) * logits_bytes(llama)
+    # GPipe runs every forward before any backward: every stage holds every micro-batch.
+    assert gpipe_last.activations == microbatches * last.activations and gpipe_last.kept_outputs == 0
+    assert gpipe_first.activations == 2 * first.activations  # 1F1B's first stage: pp = 2 in flight
+    assert first.kept_outputs == gpipe_first.kept_outputs == 0
+    start = peak_moments(last, 1, 0, num_microbatches=microbatches)["start of backward"]
+    assert start[3] == last.activations + last.kept_outputs

@@ -21,8 +21,13 @@ pipeline stage holds for a :class:`ParallelChoices` (all sizes in bytes), and
   parameters such as norms, which only sequence parallelism divides); with
   ``activation_checkpointing="full"`` a block keeps only its input (the forward keeps
   ``blocks * input + A_outside``), and one block's activations exist again while it is
-  recomputed. ``in_flight`` is 1 without a pipeline, else the micro-batches the first stage
-  holds: ``min(num_microbatches, pp)`` (1F1B) or ``num_microbatches`` (GPipe). With
+  recomputed. ``in_flight`` is 1 without a pipeline, else the micro-batches a stage holds:
+  the first stage ``min(num_microbatches, pp)`` (1F1B) and the last 1, or under GPipe (every
+  forward before any backward) ``num_microbatches`` on both. A pipeline's last stage also
+  keeps every micro-batch's logits (``vescale.dpipe`` returns them concatenated, as one device
+  would) from its forward to the next step: beyond the micro-batches in flight, whose
+  activations hold theirs, ``num_microbatches - in_flight`` times the largest float output of
+  the head (``kept_outputs`` in :mod:`vescale.planner.peak`). With
   ``"selective"`` a block keeps its input and the outputs of its matmuls, attention kernels
   and tensor-parallel reductions (:mod:`vescale.planner.selective`): a matmul output is
   divided by ``tp`` where its module takes the replicated input of a column-parallel
@@ -284,10 +289,15 @@ def _stage_sizes(profile: ModelProfile, choices: ParallelChoices, side: str) -> 
         last += block_input + max(kept_inside, default=0.0)
     else:
         stage_activations = sum(per_block.values()) + outside
-    in_flight = 1
-    if pp > 1 and side == "first":
+    in_flight, kept_outputs = 1, 0.0
+    if pp > 1:
         gpipe = choices.schedule == "gpipe"
-        in_flight = choices.num_microbatches if gpipe else min(choices.num_microbatches, pp)
+        if gpipe:
+            in_flight = choices.num_microbatches
+        elif side == "first":
+            in_flight = min(choices.num_microbatches, pp)
+        if side == "last":  # the in-flight micro-batches' logits are among their activations
+            kept_outputs = (choices.num_microbatches - in_flight) * largest_output
     divisor = (
         dp if ep == 1 or not elements else elements / _zero_elements(elements, expert_elements, dp, ep, True)
     )
@@ -304,6 +314,7 @@ def _stage_sizes(profile: ModelProfile, choices: ParallelChoices, side: str) -> 
         loss_gradients=2 * largest_output,
         recompute=recompute,
         dispatch_buffers=_dispatch_bytes(profile, choices),
+        kept_outputs=kept_outputs,
     )
     return sizes, divisor
 

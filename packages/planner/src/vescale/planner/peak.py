@@ -4,7 +4,9 @@ A rank's memory does not hold every part at once: activations are freed as backw
 while gradients appear, and the optimizer step runs after the activations are gone. The
 peak is the largest of three moments (all sizes are bytes on one device):
 
-* **start of backward**: parameters, optimizer state, the activations the forward kept, and
+* **start of backward**: parameters, optimizer state, the activations the forward kept (on a
+  pipeline's last stage with every micro-batch's logits, which ``vescale.dpipe`` keeps to
+  return them, through the optimizer step too), and
   the gradients already held then: all of them where data parallelism keeps persistent
   gradient buckets (ZeRO-0/1, ``dp > 1``), one full bucket being filled under ZeRO-2, else
   only the gradients of the head side (the first produced); with several micro-batches per
@@ -21,8 +23,8 @@ peak is the largest of three moments (all sizes are bytes on one device):
   (recomputed under full checkpointing) and the stage's first side; under ZeRO-3 the root,
   the block being computed, the next one FSDP2 prefetched and one block's unsharded gradients
   before their reduce-scatter; under expert parallelism one MoE layer's all-to-all buffers;
-* **optimizer step**: no activations; temporaries are the larger of the optimizer's
-  per-tensor buffers (two tensors the size of the largest stepped tensor: AdamW's ``denom``
+* **optimizer step**: no activations but a pipeline's kept logits; temporaries are the larger
+  of the optimizer's per-tensor buffers (two tensors the size of the largest stepped tensor: AdamW's ``denom``
   and its square root) and, under ZeRO-1/2, the buffers of the parameter all-gather as
   ``vescale.doptim`` publishes the stepped parameters: at most ``MAX_GATHERS_IN_FLIGHT`` (2)
   full buckets gathered at once, each with this rank's chunk of it (``1/dp``); none where it
@@ -76,6 +78,8 @@ class StageSizes:
     # Under expert parallelism: one MoE layer's all-to-all send and receive buffers, alive while the
     # layer runs (in backward too: the transposed all-to-alls of its gradients).
     dispatch_buffers: float = 0.0
+    # A pipeline's last stage: every micro-batch's logits, kept from its forward to the next step.
+    kept_outputs: float = 0.0
 
 
 def peak_moments(
@@ -127,15 +131,21 @@ def peak_moments(
             parameters,
             first_gradients,
             state,
-            sizes.activations,
+            sizes.activations + sizes.kept_outputs,
             unsharded + max(sizes.loss_gradients, sizes.recompute + sizes.dispatch_buffers),
         ),
         "end of backward": (
             parameters,
             kept_gradients + in_flight,
             state,
-            sizes.last_activations,
+            sizes.last_activations + sizes.kept_outputs,
             unsharded_in_backward + sizes.dispatch_buffers,
         ),
-        "optimizer step": (parameters, kept_gradients, state, 0.0, max(2 * stepped, all_gather)),
+        "optimizer step": (
+            parameters,
+            kept_gradients,
+            state,
+            sizes.kept_outputs,
+            max(2 * stepped, all_gather),
+        ),
     }

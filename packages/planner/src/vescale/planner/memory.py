@@ -60,6 +60,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate
 
@@ -415,8 +416,6 @@ def publishes_in_place(hardware_name: str | None) -> bool:
         publishes_in_place("h100-80gb")  # False: NCCL all-gathers into buffers
     """
     if hardware_name is None:
-        import torch
-
         return not torch.cuda.is_available()
     return hardware_name == "cpu"
 

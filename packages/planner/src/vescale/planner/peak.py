@@ -24,8 +24,8 @@ peak is the largest of three moments (all sizes are bytes on one device):
   the block being computed, the next one FSDP2 prefetched and one block's unsharded gradients
   before their reduce-scatter; under expert parallelism one MoE layer's all-to-all buffers;
 * **optimizer step**: no activations but a pipeline's kept logits; temporaries are the larger
-  of the optimizer's per-tensor buffers (two tensors the size of the largest stepped tensor: AdamW's ``denom``
-  and its square root) and, under ZeRO-1/2, the buffers of the parameter all-gather as
+  of the optimizer's per-tensor buffers (two tensors the size of the largest stepped tensor:
+  AdamW's ``denom`` and its square root) and, under ZeRO-1/2, the buffers of the parameter all-gather as
   ``vescale.doptim`` publishes the stepped parameters: at most ``MAX_GATHERS_IN_FLIGHT`` (2)
   full buckets gathered at once, each with this rank's chunk of it (``1/dp``); none where it
   publishes by in-place broadcasts (``publish_in_place``: gloo, CPU ranks).
@@ -78,7 +78,8 @@ class StageSizes:
     # Under expert parallelism: one MoE layer's all-to-all send and receive buffers, alive while the
     # layer runs (in backward too: the transposed all-to-alls of its gradients).
     dispatch_buffers: float = 0.0
-    # A pipeline's last stage: every micro-batch's logits, kept from its forward to the next step.
+    # A pipeline's last stage: the logits of the micro-batches not in flight, which vescale.dpipe
+    # keeps from their forward to the next step to return them.
     kept_outputs: float = 0.0
 
 

@@ -45,7 +45,12 @@ from vescale.dtensor.testing.models.tiny_hf import MEMORY_LLAMA_VOCAB, memory_ll
 MiB = 2**20
 SEQUENCE_LENGTH = 256
 MICRO_BATCH = 2
-PIPELINE = {"pipeline_parallel.num_microbatches": 4, "pipeline_parallel.schedule": "1f1b"}
+PIPELINE = {
+    "pipeline_parallel.size": 2,
+    "data_parallel.size": 1,
+    "pipeline_parallel.num_microbatches": 4,
+    "pipeline_parallel.schedule": "1f1b",
+}
 # name -> (world size, constraints); sequence length and batch are added for every plan.
 PLANS: dict[str, tuple[int, dict]] = {
     "dp2 ZeRO-1": (2, {"data_parallel.size": 2, "zero.stage": 1}),
@@ -66,25 +71,9 @@ PLANS: dict[str, tuple[int, dict]] = {
     ),
     "dp2xtp2 SP ZeRO-2": (4, {"data_parallel.size": 2, "tensor_parallel.size": 2, "zero.stage": 2}),
     # Through vescale.parallelize (torch.distributed.pipelining): 4 micro-batches per step.
-    "pp2 1F1B": (2, {"pipeline_parallel.size": 2, "data_parallel.size": 1, **PIPELINE}),
-    "pp2 GPipe": (
-        2,
-        {
-            "pipeline_parallel.size": 2,
-            "data_parallel.size": 1,
-            **PIPELINE,
-            "pipeline_parallel.schedule": "gpipe",
-        },
-    ),
-    "pp2 1F1B ckpt": (
-        2,
-        {
-            "pipeline_parallel.size": 2,
-            "data_parallel.size": 1,
-            **PIPELINE,
-            "activation_checkpointing": "full",
-        },
-    ),
+    "pp2 1F1B": (2, PIPELINE),
+    "pp2 GPipe": (2, {**PIPELINE, "pipeline_parallel.schedule": "gpipe"}),
+    "pp2 1F1B ckpt": (2, {**PIPELINE, "activation_checkpointing": "full"}),
     # Chosen by generate_plan alone for a small budget: its measured peak must stay under it.
     "auto, 0.25 GiB": (2, {"memory_per_device_gb": 0.25}),
     "auto, 0.2 GiB": (2, {"memory_per_device_gb": 0.2}),

@@ -19,7 +19,6 @@ is over its budget.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -109,19 +108,20 @@ def report_tight_cells(rows: list) -> list[tuple[str, bool]]:
 
 def main() -> None:
     from bench_rows import bench_parser
-    from planner_grid import GLOBAL_BATCH, GRID, MODELS, SEQUENCE_LENGTH, _config
+    from planner_grid import GLOBAL_BATCH, GRID, MODELS, SEQUENCE_LENGTH, _config, _profile
 
     parser = bench_parser(__doc__)
     parser.add_argument("--hardware", default="a100-80gb", help="a built-in profile, without --profile-dir")
-    parser.add_argument("--profile-dir", type=Path, default=None, help="planner_grid.py's cpu-N.json files")
+    parser.add_argument(
+        "--profile-dir", type=Path, default=None, help="planner_grid.py's cpu-N.json, calibrated if missing"
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")
     args = parser.parse_args()
     base = {"sequence_length": SEQUENCE_LENGTH, "global_batch_size": GLOBAL_BATCH, "mixed_precision": "fp32"}
     rows = []
     for world in sorted(GRID):
         if args.profile_dir is not None:
-            saved = args.profile_dir / f"cpu-{world}.json"
-            profile = HardwareProfile.from_dict(json.loads(saved.read_text()))
+            profile = _profile(world, args.profile_dir)
         else:
             profile = load_hardware(args.hardware, world_size=world)
         for model_name in MODELS:

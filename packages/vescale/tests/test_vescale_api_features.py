@@ -139,10 +139,14 @@ def train_dp2(
     }
 
 
-def first_step_gradients(constraints: dict) -> dict[str, torch.Tensor]:
+def first_step_gradients(constraints: dict, compile_model: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter's gradient of the first step under ``constraints``, read back from one SGD step."""
-    before, after = train_dp2(constraints, False, make_optimizer=sgd_fn, steps=1)["parameters"]
+    before, after = train_dp2(constraints, compile_model, make_optimizer=sgd_fn, steps=1)["parameters"]
     return sgd_step_gradients(before, after, SGD_LR)
+
+
+def compiled_train_and_gradients(constraints: dict) -> dict:
+    return {**train_dp2(constraints, True), "gradients": first_step_gradients(constraints, True)}
 
 
 def train_each_recompute_mode(constraints: dict) -> dict[str, dict]:
@@ -262,6 +266,46 @@ def test_compile_true_with_tensor_parallelism_trains_like_single_device(constrai
         assert_trains_like_single_device(result, f"compile {constraints}", gradients=False)
         # Layer 0's MLP never ran eagerly: no graph break, no fallback past the recompile limit.
         assert result["mlp_calls"] == 0
+
+
+def step_all_reduces(constraints: dict, compile_model: bool) -> dict:
+    """The all-reduces of one step's forward and backward (the third step, profiled) under
+    ``constraints``, and the graphs dynamo compiled, with ``compile_model``."""
+    torch._dynamo.reset()
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    config = tiny_hf_config("llama")
+    vescale.manual_seed(0)
+    model = vescale.deferred_init(transformers.AutoModelForCausalLM.from_config, config)
+    plan = vescale.generate_plan(model, {"global_batch_size": GLOBAL_BATCH, **constraints})
+    model, optimizer, _, _ = vescale.parallelize(plan, model, optimizer_fn, compile=compile_model)
+    for index, batch in enumerate(token_batches(config.vocab_size, 3, GLOBAL_BATCH, SEQ_LEN)):
+        optimizer.zero_grad()
+        with torch.profiler.profile() if index == 2 else contextlib.nullcontext() as profile:
+            model(**batch).loss.backward()
+        optimizer.step()
+    reduces = sum(event.name == "gloo:all_reduce" for event in profile.events())
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
+    return {"all_reduces": reduces, "graphs": graphs}
+
+
+def test_compiled_blocks_reduce_sibling_gradients_once_and_share_one_graph():
+    # Eager, q/k/v (and gate/up) read one conversion of the normalised hidden state: its backward
+    # all-reduces their summed gradient once, as torchtitan's PrepareModuleInput does. Compiled
+    # blocks must do the same (they did once per projection: 3 more all-reduces per layer), train
+    # like one device (every first-step gradient, SGD), and compile once for all layers (each
+    # layer compiled on its own before: dynamo guarded on per-module hook ids and FQNs).
+    constraints = {"data_parallel.size": 1, "tensor_parallel.size": 2, "sequence_parallel": False}
+    eager, compiled = (
+        run_on_ranks(step_all_reduces, world_size=2, args=(constraints, compile_model), timeout_s=600)[0]
+        for compile_model in (False, True)
+    )
+    print(f"all-reduces of a step: eager {eager['all_reduces']}, compiled {compiled['all_reduces']}")
+    assert eager["graphs"] == 0
+    assert compiled["all_reduces"] == eager["all_reduces"]
+    assert compiled["graphs"] == 1
+    constraints = {**constraints, "micro_batch_size": 1}
+    for run in run_on_ranks(compiled_train_and_gradients, world_size=2, args=(constraints,), timeout_s=600):
+        assert_trains_like_single_device(run, f"compile {constraints}")
 
 
 def api_error_messages() -> dict[str, str]:

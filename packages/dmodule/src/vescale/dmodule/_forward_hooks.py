@@ -23,7 +23,7 @@ Example::
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -121,16 +121,15 @@ class InputConversionCache:
 
     def __init__(self) -> None:
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # Inside a compiled_call (see _convert_compiling): no-op conversions by input tensor.
+        self._compiled_entries: dict[torch.Tensor, Any] | None = None
 
     def convert(self, value: Any, mesh: DeviceMesh, placements: TensorPlacements, where: str) -> Any:
         """``convert_to_placements(value, ...)``, reusing this forward's earlier identical conversion."""
         if not isinstance(value, torch.Tensor):
             return value
         if torch.compiler.is_compiling():
-            # Dynamo cannot trace weak dictionaries or version counters. Converting per consumer
-            # gives the same values; the backward then reduces each consumer's gradient on its
-            # own instead of their sum once (more collectives, the same sum).
-            return convert_to_placements(value, mesh, placements, where)
+            return self._convert_compiling(value, mesh, placements, where)
         # A trial or local run of a module (local execution) converts among its own values only:
         # a plain input reaches both trial runs as the same tensor, as a DTensor in one of them.
         key = (mesh, tuple(to_torch_placements(placements)), current_boundaries())
@@ -140,6 +139,47 @@ class InputConversionCache:
             converted = convert_to_placements(value, mesh, placements, where)
             by_target[key] = (value._version, converted)
         return converted
+
+    def _convert_compiling(
+        self, value: torch.Tensor, mesh: DeviceMesh, placements: TensorPlacements, where: str
+    ) -> Any:
+        # Dynamo traces neither weak dictionaries nor version counters, but it does trace a plain
+        # dictionary keyed by tensors, made inside the compiled call (a dictionary from outside
+        # would return its entries as extra graph outputs that need gradients and get none).
+        # Shared: conversions that change no value (a DTensor already in the target placements,
+        # whose conversion only sets its gradient's placements), so that sharing one stays right
+        # after an in-place change of the input (the conversion's local tensor is the input's
+        # own). Others, and every one outside a compiled_call, convert per consumer: the same
+        # values, each consumer's gradient reduced on its own.
+        entries = self._compiled_entries
+        target = tuple(to_torch_placements(placements))
+        already_placed = (
+            isinstance(value, DTensor)
+            and value.device_mesh == mesh
+            and tuple(value.placements) == target
+            and not any(placement.is_partial() for placement in target)
+        )
+        if entries is None or not already_placed:
+            return convert_to_placements(value, mesh, placements, where)
+        converted = entries.get(value)
+        if converted is None:
+            converted = convert_to_placements(value, mesh, placements, where)
+            entries[value] = converted
+        return converted
+
+    def compiled_call(self, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``forward(*args, **kwargs)``, sharing no-op conversions within it; for compiled code to call.
+
+        Example::
+
+            block.forward = torch.compile(functools.partial(cache.compiled_call, block.forward))
+        """
+        outer = self._compiled_entries
+        self._compiled_entries = {}
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self._compiled_entries = outer
 
     def clear(self) -> None:
         """Forget every conversion (called around each root forward)."""
@@ -215,6 +255,16 @@ def _convert_outputs(output: Any, mesh: DeviceMesh, spec: ForwardPlacements, fqn
     return output
 
 
+def _name(module: nn.Module, fqn: str) -> str:
+    """How messages name ``module``: its FQN, or its class where ``torch.compile`` traces the hook.
+
+    Dynamo guards on every string the traced code reads, and the FQNs of the blocks of one model
+    differ: read there, they would compile each block on its own (dynamo's own error then names
+    the module's line).
+    """
+    return type(module).__name__ if torch.compiler.is_compiling() else fqn
+
+
 def register_forward_placement_hooks(
     module: nn.Module,
     mesh: DeviceMesh,
@@ -241,13 +291,13 @@ def register_forward_placement_hooks(
         def convert_inputs(
             hooked: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            return _convert_inputs(hooked, mesh, inputs, fqn, args, kwargs, cache)
+            return _convert_inputs(hooked, mesh, inputs, _name(hooked, fqn), args, kwargs, cache)
 
         handles.append(module.register_forward_pre_hook(convert_inputs, with_kwargs=True))
     if outputs is not None:
 
         def convert_outputs(hooked: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            return _convert_outputs(output, mesh, outputs, fqn)
+            return _convert_outputs(output, mesh, outputs, _name(hooked, fqn))
 
         handles.append(module.register_forward_hook(convert_outputs))
     return handles

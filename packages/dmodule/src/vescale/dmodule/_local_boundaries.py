@@ -44,7 +44,14 @@ __all__ = [
 
 Convert = Callable[[Any, DeviceMesh, Any, str], Any]
 
-_STATE = threading.local()
+
+class _ThreadState(threading.local):
+    # A class default, so that the attribute always exists: torch.compile guards on whether it
+    # does, and a block compiled before the first local run would compile again after it.
+    active: BoundaryRecording | BoundaryReplay | None = None
+
+
+_STATE = _ThreadState()
 
 
 class LocalReplayDiverged(Exception):
@@ -150,7 +157,7 @@ class BoundaryReplay:
 
 def current_boundaries() -> BoundaryRecording | BoundaryReplay | None:
     """The recording or replay active on this thread, if any."""
-    return getattr(_STATE, "active", None)
+    return _STATE.active
 
 
 @contextlib.contextmanager

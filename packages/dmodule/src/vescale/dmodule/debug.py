@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -24,7 +25,16 @@ from torch.utils.hooks import RemovableHandle
 
 from vescale.dtensor.placements import placement_to_string
 
-__all__ = ["NOTE_PREFIX", "describe_tensors", "format_placements", "name_failing_modules"]
+__all__ = [
+    "NOTE_PREFIX",
+    "describe_tensors",
+    "format_placements",
+    "name_failing_modules",
+    "stop_naming_failures",
+]
+
+# The hook name_failing_modules put on each module, for stop_naming_failures.
+_FAILURE_NOTES: weakref.WeakKeyDictionary[nn.Module, list[RemovableHandle]] = weakref.WeakKeyDictionary()
 
 NOTE_PREFIX = "[vescale.dmodule] while running module"
 
@@ -99,5 +109,23 @@ def name_failing_modules(module: nn.Module) -> list[RemovableHandle]:
                 f"{describe_tensors(args)}; keyword inputs {describe_tensors(kwargs)}"
             )
 
-        handles.append(submodule.register_forward_hook(note_failure, with_kwargs=True, always_call=True))
+        handle = submodule.register_forward_hook(note_failure, with_kwargs=True, always_call=True)
+        _FAILURE_NOTES.setdefault(submodule, []).append(handle)
+        handles.append(handle)
     return handles
+
+
+def stop_naming_failures(module: nn.Module) -> None:
+    """Remove the hooks of :func:`name_failing_modules` from ``module`` and its submodules.
+
+    For code that ``torch.compile`` traces: a hook that runs even on the exception path is
+    guarded by its own id, which differs between the blocks of a model, so each block would
+    compile on its own; dynamo's own error names the failing line of the traced code.
+
+    Example::
+
+        stop_naming_failures(model.model.layers[0])
+    """
+    for submodule in module.modules():
+        for handle in _FAILURE_NOTES.pop(submodule, []):
+            handle.remove()

@@ -66,6 +66,8 @@ class DModuleState:
     implicit_replication: ImplicitReplicationHandle
     hook_handles: list[RemovableHandle] = field(default_factory=list)
     local_execution: list[nn.Module] = field(default_factory=list)
+    # Input conversions shared by sibling consumers within one forward (see InputConversionCache).
+    conversions: InputConversionCache = field(default_factory=InputConversionCache)
 
 
 def is_dmodule(module: nn.Module) -> bool:
@@ -193,6 +195,7 @@ def parallelize_module(
         implicit_replication=implicit_replication_scope(module),
         hook_handles=hook_handles,
         local_execution=local_modules,
+        conversions=conversions,
     )
     setattr(module, DMODULE_ATTRIBUTE, state)
     return module

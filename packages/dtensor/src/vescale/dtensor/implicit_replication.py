@@ -164,18 +164,36 @@ class ImplicitReplicationHandle:
         # One entry per forward still running (modules nest and may be re-entered): the module and
         # the scope its forward entered, or None where an enclosing one had.
         self._active: list[tuple[nn.Module, contextlib.ExitStack | None]] = []
-        self._hook_handles = []
-        for submodule in module.modules():
-            self._hook_handles += [
+        self._hook_handles: dict[nn.Module, list[Any]] = {
+            submodule: [
                 submodule.register_forward_pre_hook(self._enter_forward),
                 submodule.register_forward_hook(self._exit_forward, always_call=True),
             ]
+            for submodule in module.modules()
+        }
 
     def remove(self) -> None:
         """Remove the hooks; later forwards of the module run without the scope."""
-        for hook_handle in self._hook_handles:
-            hook_handle.remove()
-        self._hook_handles = []
+        for handles in self._hook_handles.values():
+            for hook_handle in handles:
+                hook_handle.remove()
+        self._hook_handles = {}
+
+    def remove_inside(self, module: nn.Module) -> None:
+        """Remove the hooks of ``module``'s submodules (not its own): for a block ``torch.compile``
+        traces, which the scope entered by ``module`` or an enclosing module covers whole.
+
+        Inside traced code the hooks do nothing, but dynamo guards on each always-called hook's
+        id, which differs between blocks, so that every block would compile on its own.
+
+        Example::
+
+            handle.remove_inside(model.layers[0])   # before torch.compile(model.layers[0].forward)
+        """
+        for submodule in module.modules():
+            if submodule is not module:
+                for hook_handle in self._hook_handles.pop(submodule, []):
+                    hook_handle.remove()
 
     def _enter_forward(self, module: nn.Module, args: Any) -> None:
         # Under torch.compile (a compiled block inside the model), the enclosing module's forward

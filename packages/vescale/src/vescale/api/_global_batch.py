@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from vescale.api._recompute import repeated_blocks
 from vescale.api._token_weights import counts_tokens, loss_term_rule
 from vescale.api.errors import UnsupportedPlanError
+from vescale.dmodule.compiled_blocks import compile_blocks
 from vescale.doptim import data_parallel_of
 from vescale.doptim.mesh_groups import mesh_dims_group
 from vescale.dpipe import loss_with_backward_done
@@ -130,11 +131,11 @@ class ParallelizedModel(ModuleWrapper):
                 f"compile=True with tensor parallelism compiles each repeated block (an element of an "
                 f"nn.ModuleList), but {type(self.module).__name__} has no nn.ModuleList; use compile=False"
             )
-        for _, block in blocks:
-            block.forward = torch.compile(block.forward)
-        # The blocks share one code object, and dynamo guards on their (distinct) dmodule hook ids:
-        # each block is one more compiled variant. Give each block torch's default budget of
-        # variants, or blocks past the 8th would silently run eagerly.
+        compile_blocks(self.module, [block for _, block in blocks])
+        # The blocks share one code object and, with veScale's own hooks kept free of per-block
+        # guards (vescale.dmodule.compiled_blocks), one compiled variant. A hook of the user's that
+        # differs between blocks would make each block a variant of its own: give each block
+        # torch's default budget of variants, or blocks past the 8th would silently run eagerly.
         budget = _RECOMPILES_PER_BLOCK * len(blocks)
         torch.compiler.config.recompile_limit = max(torch.compiler.config.recompile_limit, budget)
         torch.compiler.config.accumulated_recompile_limit = max(

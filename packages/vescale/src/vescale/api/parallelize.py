@@ -299,7 +299,10 @@ def parallelize(
     ``use_cache=False`` when its forward takes ``use_cache`` and the batch does not set it (a
     compiled block cannot return a KV cache of DTensors that get no gradient), and the process's
     ``torch.compiler.config.recompile_limit`` is raised to 8 per block (the blocks share one code
-    object, each compiled on its own). Known limit (torch 2.13): a transformers model with
+    object; veScale's hooks inside them compile once for all blocks, a user's hook that differs
+    between blocks may not). Inside a compiled block, sibling modules reading one tensor share
+    its conversion, as in eager mode: a Llama block's backward all-reduces twice, not five times
+    (:mod:`vescale.dmodule.compiled_blocks`). Known limit (torch 2.13): a transformers model with
     ``attn_implementation="eager"`` on a dp x tp mesh with more than one row per micro-batch fails
     to compile (DTensor's ``bmm`` sharding propagation on a ``_StridedShard`` needs concrete
     values under fake tensors); ``"sdpa"`` attention compiles. With expert parallelism the token

@@ -8,6 +8,8 @@ a different order of float32 additions: within 1e-6 relative.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +17,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from vescale.dtensor.implicit_replication import ImplicitReplicationError, implicit_replication_scope
+from vescale.dtensor.implicit_replication import (
+    ImplicitReplicationError,
+    _in_replication_mode,
+    implicit_replication_scope,
+)
 from vescale.dtensor.testing import run_on_ranks
 
 MIXED_ERROR = "mixed torch.Tensor and DTensor"
@@ -186,6 +192,59 @@ def test_a_custom_function_backward_in_scope_sees_plain_tensors_as_replicate():
     assert torch.equal(result["out"], expected.detach())
     grad_error = (result["weight_grad"] - reference.weight.grad).abs().max()
     assert grad_error <= 1e-6 * reference.weight.grad.abs().max()
+
+
+class TorchStyleDouble(torch.autograd.Function):
+    """Stands for a Function of torch's own (its backward defined in a ``torch.`` module); records
+    whether its backward ran under the implicit-replication mode."""
+
+    modes: ClassVar[list[bool]] = []
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return values * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        TorchStyleDouble.modes.append(_in_replication_mode())
+        return grad * 2
+
+
+TorchStyleDouble.__module__ = "torch.distributed.stand_in"
+
+
+class KeepsTorchBackward(TorchStyleDouble):
+    """A subclass that changes only its context set-up, as doptim's FSDP2 post-backward does."""
+
+
+class OwnBackward(TorchStyleDouble):
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        TorchStyleDouble.modes.append(_in_replication_mode())
+        return grad * 2
+
+
+class DoublesTwice(nn.Module):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return OwnBackward.apply(KeepsTorchBackward.apply(hidden))
+
+
+def backward_modes_on_ranks() -> list[bool]:
+    mesh = _mesh()
+    module = DoublesTwice()
+    handle = implicit_replication_scope(module)
+    hidden = distribute_tensor(_input(), mesh, [Shard(0)]).requires_grad_()
+    TorchStyleDouble.modes.clear()
+    module(hidden).sum().backward()
+    handle.remove()
+    return list(TorchStyleDouble.modes)
+
+
+def test_a_subclass_keeping_a_torch_functions_backward_runs_it_outside_the_mode():
+    # FSDP2's post-backward under the mode sent every tensor call of its gradient reduction through
+    # veScale's Python dispatch (~450 calls a step in the e2e bench). The model's own backward
+    # (OwnBackward, first in backward order) still runs under it.
+    assert run_on_ranks(backward_modes_on_ranks, 2)[0] == [True, False]
 
 
 class OuterOfRefusing(nn.Module):

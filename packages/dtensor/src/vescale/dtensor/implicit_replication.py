@@ -29,7 +29,8 @@ A custom ``torch.autograd.Function`` in model code runs its ``backward`` outside
 (Reformer sorts its attention by bucket in one, keeping the plain sort indices on ``ctx``): once
 a scope exists, such a backward that receives DTensor gradients runs under the same mode, so
 the indices are Replicate there as they were in its forward. torch's own Functions (DTensor's,
-FSDP's, checkpointing's) are left as they are.
+FSDP's, checkpointing's), and subclasses that keep
+their backward, are left as they are.
 
 Example::
 
@@ -275,6 +276,16 @@ def suspended_implicit_replication() -> Iterator[None]:
         _SUSPENSION.depth = depth
 
 
+def _backward_module(function_class: Any) -> str:
+    """The module that defines ``function_class``'s ``backward``: torch's own for a subclass of a
+    torch Function that keeps its backward (doptim's FSDP2 post-backward Function), whose code
+    then runs without the mode (each of its tensor calls would pass through it)."""
+    for cls in getattr(function_class, "__mro__", ()):
+        if "backward" in cls.__dict__:
+            return getattr(cls, "__module__", "") or ""
+    return ""
+
+
 def _install_custom_backward_scope() -> None:
     """Run model code's custom autograd Functions' backward with DTensor gradients in the mode
     (idempotent, process-wide; see the module docstring)."""
@@ -284,8 +295,8 @@ def _install_custom_backward_scope() -> None:
         return
 
     def apply(node: Any, *grads: Any) -> Any:
-        forward_module = getattr(getattr(node, "_forward_cls", None), "__module__", "") or ""
-        if forward_module.startswith("torch.") or _first_dtensor(grads) is None or _in_replication_mode():
+        backward_module = _backward_module(getattr(node, "_forward_cls", None))
+        if backward_module.startswith("torch.") or _first_dtensor(grads) is None or _in_replication_mode():
             return original(node, *grads)
         with _replicating():
             return original(node, *grads)

@@ -66,3 +66,47 @@ def test_fsdp_post_backward_passes_a_missing_gradient_on_as_missing_in_vescale_u
         else:
             assert torch.equal(unused.grad, unused_gradient)
     assert calls == ["post_backward", "post_backward"]
+
+
+def fsdp_hooks_under_a_scope_on_ranks() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from vescale.dtensor.implicit_replication import _in_replication_mode, implicit_replication_scope
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    reference.load_state_dict(model.state_dict())
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _compat.fsdp_forward_hooks_outside_implicit_replication(model)
+    _compat.fsdp_forward_hooks_outside_implicit_replication(model)  # idempotent
+    states = [unit._get_fsdp_state() for unit in (model[0], model)]
+    replaced = [
+        handle.hooks_dict_ref()[handle.id].vescale_outside_implicit_replication
+        for state in states
+        for handle in (state._pre_forward_hook_handle, state._post_forward_hook_handle)
+    ]
+    modes: list[bool] = []
+    # A pre-hook registered before FSDP2's runs after it (FSDP2 prepends its own) and under the scope.
+    model[0].register_forward_pre_hook(lambda *_: modes.append(_in_replication_mode()))
+    handle = implicit_replication_scope(model)
+    inputs = torch.ones(2, 4)
+    model(inputs).sum().backward()
+    handle.remove()
+    reference(inputs).sum().backward()
+    matches = torch.allclose(model[0].weight.grad.full_tensor(), reference[0].weight.grad)
+    return {"replaced": replaced, "modes": modes, "matches": matches}
+
+
+def test_fsdp_forward_hooks_run_outside_implicit_replication_and_the_model_inside():
+    # The private FSDPState hook handles exist and are replaced (this fails loudly when torch renames
+    # them); the unit's own forward still runs under the scope and the gradients are FSDP2's.
+    from vescale.dtensor.testing import run_on_ranks
+
+    for result in run_on_ranks(fsdp_hooks_under_a_scope_on_ranks, world_size=2, timeout_s=120):
+        assert result["replaced"] == [True, True, True, True]
+        assert result["modes"] == [True]
+        assert result["matches"]

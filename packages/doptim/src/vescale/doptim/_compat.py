@@ -30,6 +30,7 @@ __all__ = [
     "MIN_TORCH",
     "TESTED_TORCH",
     "PrivateTorchAPIError",
+    "fsdp_forward_hooks_outside_implicit_replication",
     "queue_end_of_backward_callback",
     "unmaterialized_fsdp_post_backward",
 ]
@@ -103,3 +104,54 @@ def unmaterialized_fsdp_post_backward(model: torch.nn.Module) -> None:
                 ctx.set_materialize_grads(False)
 
     setattr(module, "RegisterPostBackwardFunction", _UnmaterializedPostBackward)  # noqa: B010
+
+
+_FORWARD_HOOK_HANDLES = ("_pre_forward_hook_handle", "_post_forward_hook_handle")
+
+
+def fsdp_forward_hooks_outside_implicit_replication(model: torch.nn.Module) -> None:
+    """Run the forward pre- and post-hooks of every FSDP2 unit in ``model`` with veScale's
+    implicit-replication mode suspended (idempotent).
+
+    A unit's hooks run inside the forward of the module around it, which a tensor-parallel model
+    runs under ``vescale.dtensor``'s implicit-replication mode: each tensor call of FSDP2's
+    all-gather bookkeeping (``numel``, ``untyped_storage``, views, ~550 a step in the e2e dp2 x
+    tp2 bench) then went through the mode's Python dispatch. FSDP2 never mixes plain tensors with
+    DTensors and does not need the mode. The hooks are found through the private
+    ``FSDPState._pre_forward_hook_handle`` and ``_post_forward_hook_handle`` of single-module
+    units (the only ones veScale makes) and replaced in place, keeping their order and flags.
+
+    Example::
+
+        fsdp_forward_hooks_outside_implicit_replication(model)   # after fully_shard on its units
+    """
+    from vescale.dtensor.implicit_replication import suspended_implicit_replication
+
+    for module in model.modules():
+        state_of = getattr(module, "_get_fsdp_state", None)
+        if state_of is None:
+            continue
+        state = state_of()
+        for name in _FORWARD_HOOK_HANDLES:
+            if not hasattr(state, name):
+                raise unsupported_torch(f"FSDPState.{name} is missing", "vescale.doptim")
+            handle = getattr(state, name)
+            hooks_of = getattr(handle, "hooks_dict_ref", None)
+            hooks: dict[int, Any] | None = hooks_of() if hooks_of is not None else None
+            if hooks is None:
+                continue  # a unit of several modules (a _MultiHandle)
+            hook = hooks.get(handle.id)
+            if hook is None or getattr(hook, "vescale_outside_implicit_replication", False):
+                continue  # removed, or replaced already
+            hooks[handle.id] = _suspending(hook, suspended_implicit_replication)
+
+
+def _suspending(hook: Callable[..., Any], suspended: Callable[[], Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return hook(*args, **kwargs)
+        with suspended():
+            return hook(*args, **kwargs)
+
+    run.vescale_outside_implicit_replication = True  # type: ignore[attr-defined]
+    return run

@@ -244,6 +244,7 @@ def _apply_zero3_over_dims(
         if deterministic:
             _use_rank_ordered_reduce_scatter(sharded_block)
     gather_on_reentry(model)
+    _compat.fsdp_forward_hooks_outside_implicit_replication(model)
 
 
 def _apply_zero3(
@@ -299,6 +300,7 @@ def _apply_zero3(
         if deterministic:
             _use_rank_ordered_reduce_scatter(sharded_unit)
     gather_on_reentry(model)
+    _compat.fsdp_forward_hooks_outside_implicit_replication(model)
     state = FullyShardedState(model, device_mesh, mesh_dim, deterministic, compute_dtype)
     setattr(model, DATA_PARALLEL_ATTRIBUTE, state)
     for param in model.parameters():

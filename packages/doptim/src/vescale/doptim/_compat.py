@@ -25,6 +25,7 @@ import torch
 
 # One supported torch range and one error type for every package's _compat.py: vescale.dtensor's.
 from vescale.dtensor._compat import MIN_TORCH, TESTED_TORCH, PrivateTorchAPIError, unsupported_torch
+from vescale.dtensor.implicit_replication import suspended_implicit_replication
 
 __all__ = [
     "MIN_TORCH",
@@ -125,8 +126,6 @@ def fsdp_forward_hooks_outside_implicit_replication(model: torch.nn.Module) -> N
 
         fsdp_forward_hooks_outside_implicit_replication(model)   # after fully_shard on its units
     """
-    from vescale.dtensor.implicit_replication import suspended_implicit_replication
-
     for module in model.modules():
         state_of = getattr(module, "_get_fsdp_state", None)
         if state_of is None:
@@ -143,14 +142,14 @@ def fsdp_forward_hooks_outside_implicit_replication(model: torch.nn.Module) -> N
             hook = hooks.get(handle.id)
             if hook is None or getattr(hook, "vescale_outside_implicit_replication", False):
                 continue  # removed, or replaced already
-            hooks[handle.id] = _suspending(hook, suspended_implicit_replication)
+            hooks[handle.id] = _suspending(hook)
 
 
-def _suspending(hook: Callable[..., Any], suspended: Callable[[], Any]) -> Callable[..., Any]:
+def _suspending(hook: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             return hook(*args, **kwargs)
-        with suspended():
+        with suspended_implicit_replication():
             return hook(*args, **kwargs)
 
     run.vescale_outside_implicit_replication = True  # type: ignore[attr-defined]

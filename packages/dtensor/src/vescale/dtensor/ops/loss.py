@@ -5,8 +5,11 @@ A tensor-parallel LM head leaves the logits ``Shard(-1)`` over the vocabulary; t
 nanoGPT alike) would otherwise all-gather a ``tokens x vocab`` tensor. These handlers keep
 the class dim sharded, in the manner of PyTorch's ``loss_parallel`` but registered for good:
 
-* ``_log_softmax``: the max and the sum of exponentials are all-reduced over the mesh dim
-  that shards the class dim (two ``tokens x 1`` all-reduces), the output stays sharded;
+* ``_log_softmax``: each rank takes its slice's row maxima and sums of exponentials (shifted
+  by its own maxima), one all-gather of the two ``tokens x 1`` columns over the mesh dim that
+  shards the class dim, then every rank combines them (the global maximum M, and the sum of
+  each slice's sum times exp(its maximum - M)); the output stays sharded. One blocking
+  collective where a maximum's and a sum's all-reduce would be two;
 * ``nll_loss_forward``: each rank picks the log-probability of the targets in its vocabulary
   slice (zero elsewhere), one all-reduce of the ``tokens`` picked values, then the reduction
   (``mean``/``sum``/``none``, ``ignore_index``) is done by aten itself on that column;
@@ -96,15 +99,30 @@ def _log_softmax_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, 
     if half_to_float:
         local = local.float()
     dim %= local.ndim
+    row_max, sum_exp = _global_row_statistics(local, dim, sharding.group)
+    return _like(local - row_max - sum_exp.log(), source)
+
+
+def _global_row_statistics(local: torch.Tensor, dim: int, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The maximum over every rank's slice of ``dim`` and the sum of exp(value - maximum), both
+    keeping ``dim`` as size 1, from one all-gather of each slice's own two statistics."""
+    column = (*local.shape[:dim], 1, *local.shape[dim + 1 :])
     if local.size(dim) == 0:
-        row_max = local.new_full((*local.shape[:dim], 1, *local.shape[dim + 1 :]), -torch.inf)
+        own_max = local.new_full(column, -torch.inf)
+        own_sum = local.new_zeros(column)
     else:
-        row_max = local.amax(dim, keepdim=True)
-    dist.all_reduce(row_max, dist.ReduceOp.MAX, group=sharding.group)
-    shifted = local - row_max
-    sum_exp = shifted.exp().sum(dim, keepdim=True)
-    dist.all_reduce(sum_exp, dist.ReduceOp.SUM, group=sharding.group)
-    return _like(shifted - sum_exp.log(), source)
+        own_max = local.amax(dim, keepdim=True)
+        # A row whose slice is all -inf (masked classes) shifts by 0: its exponentials are 0.
+        own_sum = (local - torch.where(torch.isneginf(own_max), 0.0, own_max)).exp().sum(dim, keepdim=True)
+    statistics = torch.stack([own_max, own_sum])
+    gathered = [torch.empty_like(statistics) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, statistics, group=group)
+    maxima = torch.stack([ranks[0] for ranks in gathered])
+    sums = torch.stack([ranks[1] for ranks in gathered])
+    row_max = maxima.amax(0)
+    # A slice without classes, or with only -inf in a row (maximum -inf), adds nothing.
+    scale = torch.where(torch.isneginf(maxima), 0.0, (maxima - row_max).exp())
+    return row_max, (sums * scale).sum(0)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import vescale.dmodule
+from vescale.dmodule.local_execution import local_execution_report
 from vescale.doptim import DistributedOptimizer, clip_grad_norm_, data_parallel
 from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
@@ -72,7 +73,9 @@ def reference_training() -> tuple[dict[str, torch.Tensor], list[float]]:
     return {name: param.detach().clone() for name, param in model.named_parameters()}, norms
 
 
-def dp_tp_training(zero_stage: int, sequence_parallel: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
+def dp_tp_training(
+    zero_stage: int, sequence_parallel: bool
+) -> tuple[dict[str, torch.Tensor], list[float], dict[str, list[str]]]:
     mesh = init_mesh(dp=DP, tp=TP)
     model = build_tiny_hf_model("llama")
     plan = vescale.dmodule.auto_sharding_plan(model, sequence_parallel=sequence_parallel)
@@ -86,14 +89,16 @@ def dp_tp_training(zero_stage: int, sequence_parallel: bool) -> tuple[dict[str, 
     for input_ids in batches(model.config.vocab_size):
         optimizer.zero_grad()
         local_ids = input_ids[dp_rank * rows : (dp_rank + 1) * rows]
-        model(input_ids=local_ids, labels=local_ids).loss.backward()
+        # use_cache=False, as vescale.parallelize passes in training: a key/value cache argument
+        # keeps the layers off local execution, which this test covers too.
+        model(input_ids=local_ids, labels=local_ids, use_cache=False).loss.backward()
         norms.append(clip_grad_norm_(optimizer, MAX_NORM).item())
         optimizer.step()
     params = {}
     for name, param in model.named_parameters():
         full = param.full_tensor() if isinstance(param, DTensor) else param
         params[name] = full.detach().clone()
-    return params, norms
+    return params, norms, local_execution_report(model)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
@@ -104,7 +109,14 @@ def test_dp2_tp2_llama_adamw_with_clipping_matches_single_process(zero_stage, se
     results = run_on_ranks(
         dp_tp_training, world_size=DP * TP, args=(zero_stage, sequence_parallel), timeout_s=240
     )
-    for rank, (params, norms) in enumerate(results):
+    for rank, (params, norms, report) in enumerate(results):
+        # Without sequence parallelism the decoder layers ran on local tensors after their trials
+        # (in every ZeRO stage), so the comparison covers local execution. With it they run as
+        # DTensors: the local trial meets sequence-sharded hidden states and whole-sequence rotary
+        # tables and raises.
+        layers = {fqn: found for fqn, found in report.items() if fqn.count(".") == 2 and ".layers." in fqn}
+        if not sequence_parallel:
+            assert layers and all(verdicts == ["local"] for verdicts in layers.values()), (rank, layers)
         for norm, reference_norm in zip(norms, reference_norms, strict=True):
             assert abs(norm - reference_norm) <= NORM_RTOL * reference_norm, (norm, reference_norm)
         worst_abs = worst_relative = 0.0

@@ -117,8 +117,7 @@ def _global_row_statistics(local: torch.Tensor, dim: int, group: Any) -> tuple[t
     statistics = torch.stack([own_max, own_sum])
     gathered = [torch.empty_like(statistics) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, statistics, group=group)
-    maxima = torch.stack([ranks[0] for ranks in gathered])
-    sums = torch.stack([ranks[1] for ranks in gathered])
+    maxima, sums = torch.stack(gathered).unbind(1)  # each ranks x column
     row_max = maxima.amax(0)
     # A slice without classes, or with only -inf in a row (maximum -inf), adds nothing.
     scale = torch.where(torch.isneginf(maxima), 0.0, (maxima - row_max).exp())

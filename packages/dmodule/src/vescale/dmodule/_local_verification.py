@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -44,7 +45,7 @@ from vescale.dmodule._local_boundaries import (
 )
 from vescale.dtensor.implicit_replication import suspended_implicit_replication
 
-__all__ = ["SIMPLE_VALUES", "SwappedParameters", "compare_runs", "parameter_slots"]
+__all__ = ["SIMPLE_VALUES", "SwappedParameters", "compare_runs", "parameter_slots", "trial_running"]
 
 GradientPlacements = tuple[Any, ...] | None
 SlotKey = tuple[int, str]
@@ -224,6 +225,26 @@ class _ModuleState:
         return reason
 
 
+class _TrialDepth(threading.local):
+    depth = 0
+
+
+_TRIALS = _TrialDepth()
+
+
+def trial_running() -> bool:
+    """Whether this thread is inside :func:`compare_runs`: the forwards and backwards that run there
+    are trials on random stand-ins, and a hook that keeps state across calls must not record them.
+
+    Example::
+
+        def record(module, args, output):
+            if not trial_running():
+                statistics.append(output)
+    """
+    return _TRIALS.depth > 0
+
+
 def compare_runs(
     module: nn.Module,
     leaves: list[Any],
@@ -237,9 +258,11 @@ def compare_runs(
     per slot, output spec, output layouts)``, ``recording`` then holding the conversions. The
     module's buffers and attributes are as before, also when a trial raises."""
     state = _ModuleState(module)
+    _TRIALS.depth += 1
     try:
         return _compare(module, leaves, spec, slots, recording, state)
     finally:
+        _TRIALS.depth -= 1
         state.restore()
 
 

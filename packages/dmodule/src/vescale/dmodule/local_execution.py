@@ -33,7 +33,9 @@ trial only in the first steps. No trial runs without gradients, inside a backwar
 Function recomputing its forward there) or under a dispatch mode (fake tensors, selective
 activation checkpointing's op cache); under ``torch.compile`` the forward runs as DTensors (the
 compiler removes the per-op cost itself). Which modules run locally, and why the others do not, is
-in :func:`local_execution_report`.
+in :func:`local_execution_report`. Trials run the forwards of the modules inside, hooks included:
+a veScale hook that keeps state across calls (the pipeline's router statistics) skips them
+(:func:`trial_running`).
 
 Example::
 
@@ -71,11 +73,12 @@ from vescale.dmodule._local_verification import (
     SwappedParameters,
     compare_runs,
     parameter_slots,
+    trial_running,
 )
 from vescale.dtensor import _compat
 from vescale.dtensor.implicit_replication import suspended_implicit_replication
 
-__all__ = ["LocalExecution", "install_local_execution", "local_execution_report"]
+__all__ = ["LocalExecution", "install_local_execution", "local_execution_report", "trial_running"]
 
 LOCAL_EXECUTION_ATTRIBUTE = "_vescale_local_execution"
 # Input signatures a module verifies; calls with further new ones run as DTensors unverified.

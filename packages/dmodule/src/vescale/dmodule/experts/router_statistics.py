@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from vescale.dmodule.experts.errors import UnsupportedExpertsError
+from vescale.dmodule.local_execution import trial_running
 
 __all__ = [
     "ROUTER_STATISTICS_ATTRIBUTE",
@@ -141,7 +142,9 @@ class RouterStatistics:
         return value
 
     def _record(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if self.value is None:
+        if self.value is None or trial_running():
+            # A local-execution trial of a module holding this router runs it on random stand-ins:
+            # its logits are no layer's, and its graph is freed by the trial's own backward.
             return
         logits = output[self._logits_index] if isinstance(output, (tuple, list)) else output
         layer = load_balancing_statistics([logits], self.num_experts, self.top_k, self._attention_mask)

@@ -1,12 +1,14 @@
 """The check behind local execution: one forward and backward as DTensors, one on local tensors, compared.
 
-:func:`compare_runs` runs a module's forward twice on detached copies of its inputs, under the
-same random state and with its own saved-tensor hooks (so activation checkpointing around the
-module never sees these trial runs). The trials run on stand-ins, not on the module's values:
-every floating-point DTensor parameter and input (not Partial) is replaced by random values in
-its layout, the same on every rank, so that a value that happens to be zero now (a freshly
-initialised bias, which a row-parallel linear would add once per rank on local tensors) cannot
-make two different computations agree:
+:func:`compare_runs` runs a module's forward twice on what :class:`TrialInputs` captured at one
+call, under the same random state and with its own saved-tensor hooks (so activation
+checkpointing around the module never sees these trial runs). The trials run on stand-ins, not
+on the module's values: every floating-point DTensor parameter and input (not Partial) is
+replaced by random values in its layout, the same on every rank, so that a value that happens to
+be zero now (a freshly initialised bias, which a row-parallel linear would add once per rank on
+local tensors) cannot make two different computations agree. So the capture keeps only those
+tensors' layouts (:class:`TensorTemplate`), and a trial may run long after the call, when the
+call's activations are gone (the layouts of FSDP's unsharded parameters included):
 
 * **as DTensors**, with the plan's conversions inside recorded; a backward from a fixed random
   cotangent per output (Partial outputs get a Replicate one, as ``from_local`` hands them back)
@@ -20,7 +22,8 @@ layouts, or a sentence saying what differed.
 
 Example::
 
-    result = compare_runs(block, leaves, spec, parameter_slots(block), BoundaryRecording())
+    trial = TrialInputs.capture(block, leaves, spec)      # at a call: layouts, no activations
+    result = compare_runs(block, trial, BoundaryRecording())
     if isinstance(result, str):
         print("stays DTensor:", result)
 """
@@ -30,11 +33,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.utils import _pytree as pytree
 
 from vescale.dmodule._local_boundaries import (
@@ -43,9 +48,21 @@ from vescale.dmodule._local_boundaries import (
     TensorLayout,
     running_boundaries,
 )
-from vescale.dtensor.implicit_replication import suspended_implicit_replication
+from vescale.dtensor.implicit_replication import (
+    implicit_replication_active,
+    replicating_plain_tensors,
+    suspended_implicit_replication,
+)
 
-__all__ = ["SIMPLE_VALUES", "SwappedParameters", "compare_runs", "parameter_slots", "trial_running"]
+__all__ = [
+    "SIMPLE_VALUES",
+    "SwappedParameters",
+    "TensorTemplate",
+    "TrialInputs",
+    "compare_runs",
+    "parameter_slots",
+    "trial_running",
+]
 
 GradientPlacements = tuple[Any, ...] | None
 SlotKey = tuple[int, str]
@@ -82,24 +99,25 @@ class SwappedParameters:
     def __init__(
         self,
         slots: Iterable[tuple[nn.Module, str, GradientPlacements]],
-        stand_ins: dict[int, DTensor] | None = None,
+        stand_ins: dict[SlotKey, DTensor] | None = None,
         *,
         local: bool = True,
     ) -> None:
-        """``stand_ins`` (by ``id`` of a parameter) take the parameters' place, as DTensors when
-        ``local`` is false (the trial's DTensor run), else as their local shards."""
+        """Without ``stand_ins`` every DTensor parameter is swapped for its local shard. With them
+        (by slot: the trial's), exactly their slots are, as DTensors when ``local`` is false (the
+        trial's DTensor run), else as their local shards."""
         self._saved: list[tuple[nn.Module, str, Any]] = []
-        replacements: dict[int, torch.Tensor] = {}
+        replacements: dict[int, Any] = {}  # local shards or DTensors, in a Parameter's slot
         try:
             for owner, name, gradient in slots:
                 parameter = owner._parameters.get(name)
-                if not isinstance(parameter, DTensor):
+                source = parameter if stand_ins is None else stand_ins.get((id(owner), name))
+                if not isinstance(source, DTensor):
                     continue
-                replacement = replacements.get(id(parameter))
+                replacement: Any = replacements.get(id(source))  # a tied tensor once
                 if replacement is None:
-                    source = parameter if stand_ins is None else stand_ins.get(id(parameter), parameter)
                     replacement = source.to_local(grad_placements=gradient) if local else source
-                    replacements[id(parameter)] = replacement
+                    replacements[id(source)] = replacement
                 self._saved.append((owner, name, parameter))
                 owner._parameters[name] = replacement  # for this forward only
         except BaseException:
@@ -126,30 +144,112 @@ def _trial(device_type: str) -> Iterator[None]:
         yield
 
 
-def _random_like(value: DTensor, seed: int) -> DTensor:
-    """A DTensor of ``value``'s layout holding values drawn from ``seed``, the same on every rank
-    (drawn whole, then cut: Shard placements need no communication)."""
-    generator = torch.Generator().manual_seed(seed)
-    local_device = value.to_local().device
-    full = torch.randn(tuple(value.shape), generator=generator).to(dtype=value.dtype, device=local_device)
-    mesh = value.device_mesh
-    whole = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return whole.redistribute(mesh, value.placements)
-
-
-def _stand_in(value: torch.Tensor, seed: int) -> Any:
-    """What the trial runs on in place of ``value``: random values in its layout for a floating-point
-    DTensor that is not Partial (a zero bias would hide a bias counted once per rank), else
-    ``value`` itself, detached."""
-    if (
+def _randomised(value: torch.Tensor) -> TypeGuard[DTensor]:
+    """Whether a trial runs on random values in ``value``'s place: a floating-point DTensor that is
+    not Partial (a zero bias would hide a bias counted once per rank)."""
+    return (
         isinstance(value, DTensor)
         and value.is_floating_point()
         and not any(placement.is_partial() for placement in value.placements)
-    ):
-        stand_in: torch.Tensor = _random_like(value, seed)
-    else:
-        stand_in = value.detach()
-    return stand_in.requires_grad_(value.requires_grad)
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class TensorTemplate:
+    """The layout of a DTensor that a trial replaces by random values, kept instead of the tensor.
+
+    Example::
+
+        template = TensorTemplate.of(hidden)      # shape, dtype, device, mesh, placements
+        stand_in = template.random(seed=7)        # the same values on every rank
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device  # of the local tensor
+    requires_grad: bool
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+
+    @classmethod
+    def of(cls, value: DTensor) -> TensorTemplate:
+        return cls(
+            tuple(value.shape),
+            value.dtype,
+            value.to_local().device,
+            value.requires_grad,
+            value.device_mesh,
+            tuple(value.placements),
+        )
+
+    def random(self, seed: int) -> DTensor:
+        """Values drawn from ``seed`` in this layout, the same on every rank (drawn whole, then cut:
+        Shard placements need no communication)."""
+        generator = torch.Generator().manual_seed(seed)
+        full = torch.randn(self.shape, generator=generator).to(dtype=self.dtype, device=self.device)
+        whole = DTensor.from_local(full, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+        stand_in: DTensor = whole.redistribute(self.mesh, self.placements)
+        stand_in.requires_grad_(self.requires_grad)
+        return stand_in
+
+
+@dataclass(frozen=True)
+class TrialInputs:
+    """What a trial needs from one call of a module, and no more: its argument leaves and their tree
+    spec, and its parameter slots; a tensor the trial replaces by random values (see
+    :func:`_randomised`) as its :class:`TensorTemplate`, any other value itself. Also whether the
+    call ran under implicit replication, which the trial's DTensor forward then runs under too.
+
+    Example::
+
+        trial = TrialInputs.capture(block, leaves, spec)
+        trial.local_device()          # where the verdict's agreement runs
+    """
+
+    leaves: tuple[Any, ...]
+    spec: pytree.TreeSpec
+    slots: tuple[tuple[nn.Module, str], ...]
+    parameters: tuple[Any, ...]  # per slot
+    replicating: bool
+
+    @classmethod
+    def capture(cls, module: nn.Module, leaves: list[Any], spec: pytree.TreeSpec) -> TrialInputs:
+        kept: dict[int, Any] = {}  # one template per tensor: a tensor passed twice stays one
+
+        def keep(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            if id(value) not in kept:
+                kept[id(value)] = TensorTemplate.of(value) if _randomised(value) else value
+            return kept[id(value)]
+
+        slots = parameter_slots(module)
+        return cls(
+            leaves=tuple(keep(leaf) for leaf in leaves),
+            spec=spec,
+            slots=tuple(slots),
+            parameters=tuple(keep(owner._parameters[name]) for owner, name in slots),
+            replicating=implicit_replication_active(),
+        )
+
+    def local_device(self) -> torch.device | None:
+        """The device of the first DTensor input's local tensor, if there is one."""
+        for leaf in self.leaves:
+            if isinstance(leaf, TensorTemplate):
+                return leaf.device
+            if isinstance(leaf, DTensor):
+                return leaf.to_local().device
+        return None
+
+
+def _stand_in(value: Any, seed: int) -> Any:
+    """What the trial runs on in place of a captured value: random values for a template, a tensor
+    itself detached (with its ``requires_grad``), any other value itself."""
+    if isinstance(value, TensorTemplate):
+        return value.random(seed)
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    return value
 
 
 def _cotangent(output: torch.Tensor, index: int) -> torch.Tensor:
@@ -246,13 +346,10 @@ def trial_running() -> bool:
 
 
 def compare_runs(
-    module: nn.Module,
-    leaves: list[Any],
-    spec: pytree.TreeSpec,
-    slots: list[tuple[nn.Module, str]],
-    recording: BoundaryRecording,
+    module: nn.Module, trial: TrialInputs, recording: BoundaryRecording
 ) -> str | tuple[tuple[GradientPlacements, ...], dict[SlotKey, GradientPlacements], Any, tuple[Any, ...]]:
-    """Run ``module``'s forward both ways on copies of ``leaves`` (see the module docstring).
+    """Run ``module``'s forward both ways on stand-ins for what ``trial`` captured (see the module
+    docstring).
 
     Returns what differed, or ``(input gradient placements per leaf, parameter gradient placements
     per slot, output spec, output layouts)``, ``recording`` then holding the conversions. The
@@ -260,51 +357,58 @@ def compare_runs(
     state = _ModuleState(module)
     _TRIALS.depth += 1
     try:
-        return _compare(module, leaves, spec, slots, recording, state)
+        return _compare(module, trial, recording, state)
     finally:
         _TRIALS.depth -= 1
         state.restore()
 
 
 def _compare(
-    module: nn.Module,
-    leaves: list[Any],
-    spec: pytree.TreeSpec,
-    slots: list[tuple[nn.Module, str]],
-    recording: BoundaryRecording,
-    state: _ModuleState,
+    module: nn.Module, trial: TrialInputs, recording: BoundaryRecording, state: _ModuleState
 ) -> str | tuple[tuple[GradientPlacements, ...], dict[SlotKey, GradientPlacements], Any, tuple[Any, ...]]:
     forward = type(module).forward
-    copies: dict[int, torch.Tensor] = {}
+    spec, slots = trial.spec, trial.slots
+    made: dict[int, Any] = {}  # stand-ins by id of the captured value: shared values stay shared
     trial_leaves = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            if id(leaf) not in copies:
-                copies[id(leaf)] = _stand_in(leaf, _COTANGENT_SEED + len(copies))
-            leaf = copies[id(leaf)]
-        trial_leaves.append(leaf)
-    stand_ins: dict[int, DTensor] = {}
+    for leaf in trial.leaves:
+        if isinstance(leaf, (torch.Tensor, TensorTemplate)) and id(leaf) not in made:
+            made[id(leaf)] = _stand_in(leaf, _COTANGENT_SEED + len(made))
+        trial_leaves.append(made.get(id(leaf), leaf))
+    stand_ins: dict[SlotKey, DTensor] = {}
     parameters: dict[SlotKey, DTensor] = {}
-    for owner, name in slots:
-        parameter = owner._parameters[name]
-        if isinstance(parameter, DTensor):
-            if id(parameter) not in stand_ins:
-                stand_ins[id(parameter)] = _stand_in(parameter, _PARAMETER_SEED + len(stand_ins))
-            if parameter.requires_grad:
-                parameters[(id(owner), name)] = stand_ins[id(parameter)]
-    inputs = [copy for copy in copies.values() if copy.requires_grad]
+    for index, ((owner, name), kept) in enumerate(zip(slots, trial.parameters, strict=True)):
+        if not isinstance(kept, TensorTemplate):
+            if owner._parameters.get(name) is not kept:
+                # FSDP's unsharded plain parameter, say: its storage is freed by now.
+                return f"its parameter {name!r} was replaced between the call and the trial"
+            if not isinstance(kept, DTensor):
+                continue  # a plain parameter: both runs use it as it is
+        if id(kept) not in made:
+            made[id(kept)] = _stand_in(kept, _PARAMETER_SEED + index)
+        stand_ins[(id(owner), name)] = made[id(kept)]
+        if kept.requires_grad:
+            parameters[(id(owner), name)] = made[id(kept)]
+    with_gradients = [leaf for leaf in trial_leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+    inputs = list({id(leaf): leaf for leaf in with_gradients}.values())
     unique_parameters = list({id(parameter): parameter for parameter in parameters.values()}.values())
     targets = inputs + unique_parameters
     mesh_device = next(
         (target.device_mesh.device_type for target in targets if isinstance(target, DTensor)),
-        next((leaf.device_mesh.device_type for leaf in leaves if isinstance(leaf, DTensor)), "cpu"),
+        next((leaf.device_mesh.device_type for leaf in trial_leaves if isinstance(leaf, DTensor)), "cpu"),
+    )
+    # The call ran under implicit replication (its scope's hooks entered it): so does the trial,
+    # which may run outside any forward.
+    replicating = (
+        replicating_plain_tensors()
+        if trial.replicating and not implicit_replication_active()
+        else contextlib.nullcontext()
     )
 
     with _trial(mesh_device):
         args, kwargs = pytree.tree_unflatten(trial_leaves, spec)
         swapped = SwappedParameters(((owner, name, None) for owner, name in slots), stand_ins, local=False)
         try:
-            with running_boundaries(recording):
+            with running_boundaries(recording), replicating:
                 dtensor_output = forward(module, *args, **kwargs)
         finally:
             swapped.restore()
@@ -328,7 +432,7 @@ def _compare(
         for target, gradient in zip(targets, dtensor_gradients, strict=True)
     }
     input_gradients = tuple(
-        placements_of.get(id(copies[id(leaf)])) if isinstance(leaf, DTensor) else None for leaf in leaves
+        placements_of.get(id(leaf)) if isinstance(leaf, DTensor) else None for leaf in trial_leaves
     )
     parameter_gradients = {key: placements_of.get(id(parameter)) for key, parameter in parameters.items()}
 

@@ -7,12 +7,17 @@ the same. This module runs such a module's forward on local tensors, as hand-wri
 parallelism does, but only where a check proves it equivalent, for each input signature (shapes,
 dtypes, placements, ``requires_grad``, non-tensor arguments, training mode):
 
-1. the first call with a signature runs the forward twice, with the same random state, on random
-   stand-ins for its floating-point parameters and DTensor inputs (so that a value that happens to
-   be zero, a fresh bias, cannot make two computations agree): as DTensors (recording the plan's
-   conversions inside it and, through a backward with a fixed random cotangent, the placements of
-   every gradient), then on local tensors with the parameters swapped for their local shards and
-   the conversions replayed (:mod:`vescale.dmodule._local_boundaries`);
+1. the first call with a signature runs as DTensors and keeps what a trial needs: the layouts of
+   its floating-point DTensor inputs and parameters, its other arguments (:class:`TrialInputs`).
+   The trial runs before the parallelized root module's next forward (:func:`run_pending_trials`,
+   once the step's activations are freed, so that it never adds to the step's peak memory), or at
+   the module's next call with that signature if the root's forward comes first. It runs the
+   forward twice, with the same random state, on random stand-ins for those inputs and parameters
+   (so that a value that happens to be zero, a fresh bias, cannot make two computations agree):
+   as DTensors (recording the plan's conversions inside it and, through a backward with a fixed
+   random cotangent, the placements of every gradient), then on local tensors with the
+   parameters swapped for their local shards and the conversions replayed
+   (:mod:`vescale.dmodule._local_boundaries`);
 2. the outputs, and the gradients of the inputs and parameters, must agree **bitwise**, in
    placements and values; the tensor-parallel ranks agree on the verdict (one all-reduce);
 3. calls with a verified signature then run locally: each DTensor input and parameter enters
@@ -40,16 +45,20 @@ a veScale hook that keeps state across calls (the pipeline's router statistics) 
 Example::
 
     parallelize_module(model, mesh, plan)                 # local_execution=True by default
-    model(input_ids).logits.sum().backward()              # blocks verified, then local
-    print(local_execution_report(model))                  # {'model.layers.0': 'local', ...}
+    model(input_ids).logits.sum().backward()              # DTensors; each block's trial is noted
+    model(input_ids).logits.sum().backward()              # trials first, then the blocks run locally
+    print(local_execution_report(model))                  # {'model.layers.0': ['local'], ...}
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -71,18 +80,25 @@ from vescale.dmodule._local_boundaries import (
 from vescale.dmodule._local_verification import (
     SIMPLE_VALUES,
     SwappedParameters,
+    TrialInputs,
     compare_runs,
-    parameter_slots,
     trial_running,
 )
 from vescale.dtensor import _compat
 from vescale.dtensor.implicit_replication import suspended_implicit_replication
 
-__all__ = ["LocalExecution", "install_local_execution", "local_execution_report", "trial_running"]
+__all__ = [
+    "LocalExecution",
+    "install_local_execution",
+    "local_execution_report",
+    "run_pending_trials",
+    "trial_running",
+]
 
 LOCAL_EXECUTION_ATTRIBUTE = "_vescale_local_execution"
 # Input signatures a module verifies; calls with further new ones run as DTensors unverified.
 MAX_SIGNATURES = 16
+PENDING = "DTensor: its trial runs before the next forward"
 
 
 @dataclass(frozen=True)
@@ -131,16 +147,19 @@ class LocalExecution:
         self.mesh_dim = mesh_dim
         self.enabled = True
         self._verdicts: dict[tuple[Any, ...], LocalPlan | Rejected] = {}
+        # Signatures seen once, with what their trial needs (run by run_pending or the next call).
+        self._pending: dict[tuple[Any, ...], TrialInputs] = {}
         self._hook_count = -1  # the hooks in the subtree when the verdicts were made
         self._subtree: list[nn.Module] | None = None
 
     def verdicts(self) -> dict[tuple[Any, ...], LocalPlan | Rejected]:
         return dict(self._verdicts)
 
-    def call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        forward = type(module).forward
-        if not self.enabled or current_boundaries() is not None:
-            return forward(module, *args, **kwargs)  # inside an enclosing verification or local forward
+    def pending(self) -> list[tuple[Any, ...]]:
+        """The signatures whose trial has not run yet."""
+        return list(self._pending)
+
+    def _check_hooks(self, module: nn.Module) -> None:
         if self._subtree is None:
             self._subtree = list(module.modules())
         hook_count = (
@@ -149,25 +168,34 @@ class LocalExecution:
         if hook_count != self._hook_count:
             # A hook came or went since the verdicts (a user's hook must see DTensors): start over.
             self._verdicts.clear()
+            self._pending.clear()
             self._hook_count = hook_count
+
+    def call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        forward = type(module).forward
+        if not self.enabled or current_boundaries() is not None:
+            return forward(module, *args, **kwargs)  # inside an enclosing verification or local forward
+        self._check_hooks(module)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         key = _signature(module, leaves, spec)
         verdict = self._verdicts.get(key)
         if verdict is None:
-            if (
-                not torch.is_grad_enabled()
-                or _compat.dispatch_mode_active()
-                or _compat.current_autograd_node() is not None
-            ):
-                # Verified with gradients, at the first such call; not under a dispatch mode (fake
-                # tensors; selective checkpointing's op cache, which trial runs would fill with ops
-                # its recomputation does not replay); not inside a backward (a custom Function that
-                # recomputes its forward there, as Reformer's reversible layers do).
+            if not _may_try():
                 return forward(module, *args, **kwargs)
-            if len(self._verdicts) >= MAX_SIGNATURES:
-                # Shapes that change every step (unpadded batches) would pay a trial every step.
+            trial = self._pending.pop(key, None)
+            if trial is None:
+                if len(self._verdicts) + len(self._pending) >= MAX_SIGNATURES:
+                    # Shapes that change every step (unpadded batches) would pay a trial every step.
+                    return forward(module, *args, **kwargs)
+                static = _static_rejection(module, leaves)
+                if static is not None:
+                    self._verdicts[key] = static  # the same on every rank: no agreement needed
+                else:
+                    # This call runs as DTensors; the trial waits for a point with less memory alive.
+                    self._pending[key] = TrialInputs.capture(module, leaves, spec)
                 return forward(module, *args, **kwargs)
-            verdict = self._verify(module, leaves, spec)
+            # The root's forward did not come first (the module called on its own): try it now.
+            verdict = self._verify(module, trial)
             self._verdicts[key] = verdict
         if isinstance(verdict, Rejected):
             return forward(module, *args, **kwargs)
@@ -205,47 +233,143 @@ class LocalExecution:
             wrapped.append(leaf)
         return pytree.tree_unflatten(wrapped, output_spec)
 
-    def _verify(self, module: nn.Module, leaves: list[Any], spec: pytree.TreeSpec) -> LocalPlan | Rejected:
-        static = _static_rejection(module, leaves)
-        if static is not None:
-            return static  # the same on every rank: no agreement needed
+    def discard_pending(self) -> None:
+        """Forget the signatures seen once: a later call notes them again."""
+        self._pending.clear()
+
+    def run_pending(self, module: nn.Module) -> None:
+        """Run the trials of the signatures seen once, in the order they were seen."""
+        self._check_hooks(module)
+        while self._pending:
+            key = next(iter(self._pending))
+            self._verdicts[key] = self._verify(module, self._pending.pop(key))
+
+    def _verify(self, module: nn.Module, trial: TrialInputs) -> LocalPlan | Rejected:
         try:
-            verdict = self._compare(module, leaves, spec)
+            verdict = self._compare(module, trial)
         except LocalReplayDiverged as diverged:
             verdict = Rejected(str(diverged))
         except Exception as error:  # any failure of a trial run means: keep DTensors
             verdict = Rejected(f"{type(error).__name__}: {error}")
-        if not self._ranks_agree(isinstance(verdict, LocalPlan), leaves) and isinstance(verdict, LocalPlan):
+        verified = isinstance(verdict, LocalPlan)
+        if not self._ranks_agree(verified, trial.local_device()) and verified:
             verdict = Rejected("another tensor-parallel rank's local run differed")
         return verdict
 
-    def _compare(self, module: nn.Module, leaves: list[Any], spec: pytree.TreeSpec) -> LocalPlan | Rejected:
-        slots = parameter_slots(module)
+    def _compare(self, module: nn.Module, trial: TrialInputs) -> LocalPlan | Rejected:
         recording = BoundaryRecording()
-        result = compare_runs(module, leaves, spec, slots, recording)
+        result = compare_runs(module, trial, recording)
         if isinstance(result, str):
             return Rejected(result)
         input_gradients, parameter_gradients, output_spec, output_layouts = result
         return LocalPlan(
             input_gradients=input_gradients,
             parameter_gradients=tuple(
-                (owner, name, parameter_gradients.get((id(owner), name))) for owner, name in slots
+                (owner, name, parameter_gradients.get((id(owner), name))) for owner, name in trial.slots
             ),
             boundaries=tuple(recording.boundaries),
             output_spec=output_spec,
             output_layouts=output_layouts,
         )
 
-    def _ranks_agree(self, verified: bool, leaves: list[Any]) -> bool:
+    def _ranks_agree(self, verified: bool, device: torch.device | None) -> bool:
         if self.mesh.size(self.mesh_dim) == 1:
             return verified
-        device = next(
-            (leaf.to_local().device for leaf in leaves if isinstance(leaf, DTensor)),
-            torch.device(self.mesh.device_type, 0) if self.mesh.device_type != "cpu" else torch.device("cpu"),
-        )
+        if device is None:
+            on_cpu = self.mesh.device_type == "cpu"
+            device = torch.device("cpu") if on_cpu else torch.device(self.mesh.device_type, 0)
         flag = torch.tensor([1 if verified else 0], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.mesh.get_group(self.mesh_dim))
         return bool(flag.item())
+
+
+def _may_try() -> bool:
+    """Whether a trial may run here: with gradients available (a trial turns them on itself, but
+    a signature first seen without them, in evaluation, is left alone); not under a dispatch mode
+    (fake tensors; selective checkpointing's op cache, which trial runs would fill with ops its
+    recomputation does not replay); not inside a backward (a custom Function that recomputes its
+    forward there, as Reformer's reversible layers do)."""
+    return (
+        torch.is_grad_enabled()
+        and not _compat.dispatch_mode_active()
+        and _compat.current_autograd_node() is None
+    )
+
+
+def run_pending_trials(root: nn.Module, modules: list[nn.Module]) -> None:
+    """Run the trials that ``modules`` (from :func:`install_local_execution` on ``root``) noted at
+    their first calls: ``parallelize_module`` calls it before each forward of ``root``, where the
+    previous step's activations are freed. Every tensor-parallel rank runs the same trials in the
+    same order (each ends in one all-reduce of the verdict).
+
+    A module inside an FSDP unit (ZeRO-3) is tried with the unit's parameters gathered, as at its
+    call (``FSDPModule.unshard``, resharded afterwards if they were sharded): the trial's
+    stand-ins take the unsharded parameters' layout, and an inner module called outside its unit's
+    forward would otherwise gather the unit under the trial (vescale.doptim's reentry hooks).
+
+    Example::
+
+        run_pending_trials(model, getattr(model, DMODULE_ATTRIBUTE).local_execution)
+    """
+    if torch.compiler.is_compiling() or current_boundaries() is not None:
+        return
+    if _compat.dispatch_mode_active() or _compat.current_autograd_node() is not None:
+        return
+    waiting = [
+        module
+        for module in modules
+        if (execution := module.__dict__.get(LOCAL_EXECUTION_ATTRIBUTE)) is not None
+        and execution.enabled
+        and execution.pending()
+    ]
+    if not waiting:
+        return
+    units = _enclosing_fsdp_units(root)
+    # Modules inside one that now runs locally are called within its local forward only, where
+    # they run as they are: their trials would be spent (parents come first in `modules`).
+    covered: set[nn.Module] = set()
+    for unit, group in itertools.groupby(waiting, key=lambda module: units.get(module)):
+        with _gathered(unit):
+            for module in group:
+                execution = module.__dict__[LOCAL_EXECUTION_ATTRIBUTE]
+                if module in covered:
+                    execution.discard_pending()
+                    continue
+                execution.run_pending(module)
+                if all(isinstance(verdict, LocalPlan) for verdict in execution.verdicts().values()):
+                    covered.update(module.modules())
+
+
+def _enclosing_fsdp_units(root: nn.Module) -> dict[nn.Module, FSDPModule]:
+    """Each module below ``root`` (and ``root``) mapped to the innermost FSDP unit holding it."""
+    units: dict[nn.Module, FSDPModule] = {}
+
+    def visit(module: nn.Module, unit: FSDPModule | None) -> None:
+        unit = module if isinstance(module, FSDPModule) else unit
+        if unit is not None:
+            units[module] = unit
+        for child in module.children():
+            visit(child, unit)
+
+    visit(root, None)
+    return units
+
+
+@contextlib.contextmanager
+def _gathered(unit: FSDPModule | None) -> Iterator[None]:
+    if unit is None:
+        yield
+        return
+    module = cast(nn.Module, unit)  # fully_shard's dynamic subclass of the module's own class
+    before = list(module.parameters())
+    unit.unshard()
+    # FSDP2 registers the unsharded parameters in place of the shards: a change says they were sharded.
+    was_sharded = any(old is not new for old, new in zip(before, module.parameters(), strict=True))
+    try:
+        yield
+    finally:
+        if was_sharded:
+            unit.reshard()
 
 
 def _static_rejection(module: nn.Module, leaves: list[Any]) -> Rejected | None:
@@ -372,5 +496,5 @@ def local_execution_report(root: nn.Module) -> dict[str, list[str]]:
         report[fqn] = [
             "local" if isinstance(verdict, LocalPlan) else f"DTensor: {verdict.reason}"
             for verdict in execution.verdicts().values()
-        ]
+        ] + [PENDING] * len(execution.pending())
     return report

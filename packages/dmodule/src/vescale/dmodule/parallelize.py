@@ -42,7 +42,7 @@ import vescale.dtensor.ops  # noqa: F401  (registers the sharding strategies a m
 from vescale.dmodule._forward_hooks import InputConversionCache, register_forward_placement_hooks
 from vescale.dmodule.debug import name_failing_modules
 from vescale.dmodule.errors import DModuleError
-from vescale.dmodule.local_execution import install_local_execution
+from vescale.dmodule.local_execution import install_local_execution, run_pending_trials
 from vescale.dmodule.sharding_plan import ResolvedShardingPlan, ShardingPlan
 from vescale.dtensor.deferred import is_deferred, materialize_module
 from vescale.dtensor.grad_sync import GradSync, attach_grad_sync
@@ -171,7 +171,11 @@ def parallelize_module(
 
     modules = dict(module.named_modules())
     conversions = InputConversionCache()
+    local_modules = install_local_execution(module, device_mesh, mesh_dim_index) if local_execution else []
     hook_handles = [
+        # Local execution's trials, noted at the modules' first calls, run before the next forward:
+        # the step that noted them has freed its activations by then.
+        module.register_forward_pre_hook(lambda *_: run_pending_trials(module, local_modules)),
         module.register_forward_pre_hook(lambda *_: conversions.clear()),
         module.register_forward_hook(lambda *_: conversions.clear(), always_call=True),
     ]
@@ -185,7 +189,6 @@ def parallelize_module(
             cache=conversions,
         )
     hook_handles += name_failing_modules(module)
-    local_modules = install_local_execution(module, device_mesh, mesh_dim_index) if local_execution else []
     state = DModuleState(
         mesh=device_mesh,
         mesh_dim=mesh_dim_index,

@@ -60,7 +60,9 @@ __all__ = [
     "ImplicitReplicationError",
     "ImplicitReplicationHandle",
     "ReplicatePlainTensorsMode",
+    "implicit_replication_active",
     "implicit_replication_scope",
+    "replicating_plain_tensors",
     "suspended_implicit_replication",
 ]
 
@@ -224,6 +226,31 @@ class ImplicitReplicationHandle:
 
 def _in_replication_mode() -> bool:
     return any(isinstance(mode, ReplicatePlainTensorsMode) for mode in _compat.active_torch_function_modes())
+
+
+def implicit_replication_active() -> bool:
+    """Whether this thread runs inside a scope's forward (the mode is on its stack).
+
+    Example::
+
+        if implicit_replication_active():
+            ...   # a plain tensor meeting a DTensor here is Replicate
+    """
+    return _in_replication_mode()
+
+
+@contextlib.contextmanager
+def replicating_plain_tensors() -> Iterator[None]:
+    """Inside, plain tensors meet DTensors as Replicate, as in a scope's forward: for code that runs
+    a module's forward outside its call (a trial run of :mod:`vescale.dmodule.local_execution`).
+
+    Example::
+
+        with replicating_plain_tensors():
+            output = type(block).forward(block, hidden)   # as inside block(hidden)
+    """
+    with _replicating():
+        yield
 
 
 @contextlib.contextmanager

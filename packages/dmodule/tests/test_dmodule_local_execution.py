@@ -23,6 +23,7 @@ Quantities compared, on tp2 against the same model, weights and batch in one pro
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from typing import Any
@@ -412,3 +413,34 @@ def test_the_trial_runs_before_the_next_forward_not_inside_the_first():
         assert result["runs"] == [1, 3, 1], f"rank {rank}: {result['runs']}"
         assert result["reports"] == [[PENDING], ["local"], ["local"]], f"rank {rank}: {result['reports']}"
         assert max(result["errors"]) < TOY_RTOL, f"rank {rank}: {result['errors']}"
+
+
+def _pending_through_evaluation() -> dict[str, Any]:
+    mesh = init_mesh(tp=2)
+    model = _Root(_CountedColumnRow())
+    parallelize_module(model, mesh, _TOY_PLAN)
+    x = torch.arange(24.0).reshape(3, 8) / 10 - 1.0
+    runs, reports = [], []
+
+    def call(context: Any) -> None:
+        before = _CountedColumnRow.runs
+        with context:
+            model(x)
+        runs.append(_CountedColumnRow.runs - before)
+        reports.append(local_execution_report(model)["block"])
+
+    call(contextlib.nullcontext())  # training: the signature is noted
+    call(torch.inference_mode())  # no gradient could be taken: the trial waits
+    model.eval()
+    call(torch.no_grad())  # evaluation: the training signature's trial waits
+    model.train()
+    call(contextlib.nullcontext())  # training again: the trial, then the local call
+    return {"runs": runs, "reports": reports}
+
+
+def test_a_trial_waits_for_its_training_mode_and_for_gradients():
+    from vescale.dmodule.local_execution import PENDING
+
+    for rank, result in enumerate(run_on_ranks(_pending_through_evaluation, world_size=2)):
+        assert result["runs"] == [1, 1, 1, 3], f"rank {rank}: {result['runs']}"
+        assert result["reports"] == [[PENDING], [PENDING], [PENDING], ["local"]], f"rank {rank}: {result}"

@@ -238,10 +238,10 @@ class LocalExecution:
         self._pending.clear()
 
     def run_pending(self, module: nn.Module) -> None:
-        """Run the trials of the signatures seen once, in the order they were seen."""
+        """Run the trials of the signatures seen once, in the order they were seen; those noted in
+        another training mode than the module's now wait (a trial runs the forward as it is now)."""
         self._check_hooks(module)
-        while self._pending:
-            key = next(iter(self._pending))
+        for key in [key for key in self._pending if key[1] == module.training]:
             self._verdicts[key] = self._verify(module, self._pending.pop(key))
 
     def _verify(self, module: nn.Module, trial: TrialInputs) -> LocalPlan | Rejected:
@@ -311,8 +311,8 @@ def run_pending_trials(root: nn.Module, modules: list[nn.Module]) -> None:
 
         run_pending_trials(model, getattr(model, DMODULE_ATTRIBUTE).local_execution)
     """
-    if torch.compiler.is_compiling() or current_boundaries() is not None:
-        return
+    if torch.compiler.is_compiling() or current_boundaries() is not None or torch.is_inference_mode_enabled():
+        return  # under inference mode no trial could take a gradient
     if _compat.dispatch_mode_active() or _compat.current_autograd_node() is not None:
         return
     waiting = [
@@ -336,7 +336,8 @@ def run_pending_trials(root: nn.Module, modules: list[nn.Module]) -> None:
                     execution.discard_pending()
                     continue
                 execution.run_pending(module)
-                if all(isinstance(verdict, LocalPlan) for verdict in execution.verdicts().values()):
+                verdicts = execution.verdicts().values()
+                if verdicts and not execution.pending() and all(isinstance(v, LocalPlan) for v in verdicts):
                     covered.update(module.modules())
 
 

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from vescale.dmodule._local_verification import trial_running
 from vescale.dmodule.experts.errors import UnsupportedExpertsError
-from vescale.dmodule.local_execution import trial_running
 
 __all__ = [
     "ROUTER_STATISTICS_ATTRIBUTE",

@@ -27,10 +27,11 @@ dtypes, placements, ``requires_grad``, non-tensor arguments, training mode):
 
 A module is not tried when its subtree holds an expert-parallel module (its all-to-all sends
 data-dependent counts), an FSDP unit below itself, a sharded embedding (a lookup of global
-indices), or a forward or backward hook of the user's (which would see local shards where it saw
-DTensors), nor when an input is an object its forward may change (a key/value cache: training
-passes ``use_cache=False``) or its forward updates a buffer (BatchNorm's running statistics) or
-sets an attribute (a recurrent state; the trial's is put back). A forward that raises or differs
+indices), or a forward or backward hook of the user's on a module below it (which would see
+local shards where it saw DTensors; its own hooks run around the call and see DTensors), nor
+when an input is an object its forward may change (a key/value cache: training passes
+``use_cache=False``) or its forward updates a buffer (BatchNorm's running statistics) or sets
+an attribute (a recurrent state; the trial's is put back). A forward that raises or differs
 in the trial, or takes another path in a later call (:class:`LocalReplayDiverged`: the same
 conversions must come in the same order), runs as DTensors from then on for that signature. A
 module verifies at most ``MAX_SIGNATURES`` (16) signatures: shapes that change every step pay a
@@ -379,7 +380,10 @@ def _static_rejection(module: nn.Module, leaves: list[Any]) -> Rejected | None:
 
     for fqn, submodule in module.named_modules():
         where = fqn or "<self>"
-        foreign = next((hook for hook in _compat.module_call_hooks(submodule) if _is_foreign(hook)), None)
+        # The module's own hooks run around its call, outside the local forward: they see the
+        # DTensors it takes and gives back (and their gradients), as without local execution.
+        hooks = _compat.module_call_hooks(submodule) if fqn else []
+        foreign = next((hook for hook in hooks if _is_foreign(hook)), None)
         if foreign is not None:
             # It would see local shards where it saw DTensors (an activation statistic would then
             # be one rank's part): the module keeps DTensors while such a hook is on.

@@ -224,13 +224,14 @@ _TOY_PLAN = {
 }
 
 
-def _toy_errors(block_name: str) -> dict[str, Any]:
+def _toy_errors(block_name: str, local_execution: bool = True) -> dict[str, Any]:
     mesh = init_mesh(tp=2)
     blocks = {
         "running_mean": _RunningMean,
         "takes_object": _TakesObject,
         "branchy": _Branchy,
         "hooked": _ColumnRow,
+        "hooked_itself": _ColumnRow,
         "zero_bias": _ZeroBias,
         "stateful": _Stateful,
         "fails_once": _FailsOnce,
@@ -242,7 +243,13 @@ def _toy_errors(block_name: str) -> dict[str, Any]:
     if block_name == "hooked":
         # A user's hook inside the block sees what it saw without local execution: DTensors.
         block.up.register_forward_hook(lambda module, args, output: seen.append(type(output).__name__))
-    parallelize_module(model, mesh, _TOY_PLAN)
+    if block_name == "hooked_itself":
+        block.register_forward_pre_hook(lambda module, args: seen.append(f"in {type(args[0]).__name__}"))
+        block.register_forward_hook(lambda module, args, output: seen.append(f"out {type(output).__name__}"))
+        block.register_full_backward_hook(
+            lambda module, grad_in, grad_out: seen.append(f"grad {type(grad_out[0]).__name__}")
+        )
+    parallelize_module(model, mesh, _TOY_PLAN, local_execution=local_execution)
     kwargs = {"notes": _Notes()} if block_name == "takes_object" else {}
     errors = []
     for sign in (1.0, -1.0, 1.0):
@@ -446,40 +453,17 @@ def test_a_trial_waits_for_its_training_mode_and_for_gradients():
         assert result["reports"] == [[PENDING], [PENDING], [PENDING], ["local"]], f"rank {rank}: {result}"
 
 
-def _own_hooks_run(local_execution: bool) -> dict[str, Any]:
-    mesh = init_mesh(tp=2)
-    block = _ColumnRow()
-    model = _Root(block)
-    reference = copy.deepcopy(model)
-    seen: list[str] = []
-    block.register_forward_pre_hook(lambda module, args: seen.append(f"in {type(args[0]).__name__}"))
-    block.register_forward_hook(lambda module, args, output: seen.append(f"out {type(output).__name__}"))
-    block.register_full_backward_hook(
-        lambda module, grad_in, grad_out: seen.append(f"grad {type(grad_out[0]).__name__}")
-    )
-    parallelize_module(model, mesh, _TOY_PLAN, local_execution=local_execution)
-    errors = []
-    for sign in (1.0, -1.0, 1.0):
-        x = sign * (torch.arange(24.0).reshape(3, 8) / 10 + 0.5)
-        ours = model(x)
-        ours.full_tensor().square().sum().backward()
-        theirs = reference(x)
-        theirs.square().sum().backward()
-        errors.append((ours.full_tensor() - theirs).abs().max().item() / theirs.abs().max().item())
-    for parameter, expected in zip(model.parameters(), reference.parameters(), strict=True):
-        gradient = parameter.grad.full_tensor()
-        errors.append((gradient - expected.grad).abs().max().item() / expected.grad.abs().max().item())
-    return {"errors": errors, "report": local_execution_report(model), "seen": seen}
-
-
 def test_a_module_with_hooks_of_its_own_runs_locally_and_its_hooks_see_dtensors():
     # Its hooks run around its call, not inside the local forward (transformers hooks a router or
     # an attention module itself to record its outputs): only hooks below a module keep it on DTensors.
-    runs = {setting: run_on_ranks(_own_hooks_run, world_size=2, args=(setting,)) for setting in (True, False)}
+    runs = {
+        setting: run_on_ranks(_toy_errors, world_size=2, args=("hooked_itself", setting))
+        for setting in (True, False)
+    }
     for rank, (result, without) in enumerate(zip(runs[True], runs[False], strict=True)):
         assert result["report"]["block"][-1] == "local", result["report"]
         assert max(result["errors"]) < TOY_RTOL, f"rank {rank}: {result['errors']}"
         # What the hooks saw, call by call, is what they see without local execution (the plan
         # converts the block's input inside it, at `up`): no trial run adds a call.
-        assert result["seen"] == without["seen"], (result["seen"], without["seen"])
-        assert result["seen"] == ["in Tensor", "out DTensor", "grad DTensor"] * 3, result["seen"]
+        assert result["hook_saw"] == without["hook_saw"], (result["hook_saw"], without["hook_saw"])
+        assert result["hook_saw"] == ["in Tensor", "out DTensor", "grad DTensor"] * 3, result["hook_saw"]

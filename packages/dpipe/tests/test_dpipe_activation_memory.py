@@ -28,7 +28,7 @@ NUM_MICROBATCHES = 4
 def _activation_memory(schedule: str) -> tuple[int, int, int]:
     model = build_tiny_hf_model("llama", num_hidden_layers=4)
     plan = PipelinePlan(size=2, schedule=schedule, num_microbatches=NUM_MICROBATCHES)
-    pipe = pipeline_parallelize(model, init_mesh(pp=2), plan)
+    pipe = pipeline_parallelize(model, init_mesh(pp=2), plan, measure_activations=True)
     input_ids = torch.randint(0, model.config.vocab_size, (8, 8), generator=torch.Generator().manual_seed(0))
     # The second call runs without PyTorch's first-call metadata forward (whose saved tensors
     # stay alive on stage 0: measured from what is alive before the call).
@@ -59,7 +59,7 @@ def test_peak_activation_memory_counts_the_microbatches_each_schedule_keeps_in_f
 def _live_bytes_growth_over_a_training_call(schedule: str, virtual_stages: int) -> int:
     model = build_tiny_hf_model("llama", num_hidden_layers=4)
     plan = PipelinePlan(size=2, schedule=schedule, virtual_stages=virtual_stages)
-    pipe = pipeline_parallelize(model, init_mesh(pp=2), plan)
+    pipe = pipeline_parallelize(model, init_mesh(pp=2), plan, measure_activations=True)
     input_ids = torch.zeros(8, 8, dtype=torch.long)
     pipe(input_ids=input_ids, labels=input_ids)
     alive_before = pipe.activation_meter.live_bytes

@@ -12,7 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vescale.dpipe import MicrobatchError, PipelinePlan, PipelinePlanError, pipeline_parallelize
+from vescale.dpipe import (
+    MicrobatchError,
+    PipelineArgumentError,
+    PipelineError,
+    PipelinePlan,
+    PipelinePlanError,
+    pipeline_parallelize,
+)
 from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.models.tiny_hf import build_tiny_hf_model
@@ -86,6 +93,24 @@ def test_loss_backward_is_a_no_op_after_the_schedule_ran_it():
         assert requires_grad and unchanged and num_gradients > 0
 
 
+def _with_use_cache() -> tuple:
+    pipe = _pipeline()
+    with torch.no_grad():
+        losses = [pipe(**_batch(), **extra).loss for extra in ({}, {"use_cache": False}, {"use_cache": None})]
+        with pytest.raises(PipelineArgumentError) as error:
+            pipe(**_batch(), use_cache=True)
+    return losses, str(error.value)
+
+
+def test_use_cache_false_as_transformers_training_loops_pass_it_runs_and_true_is_refused():
+    # Every stage runs the model with use_cache=False itself; the caller's own False (or None)
+    # once collided with it ("got multiple values for keyword argument 'use_cache'").
+    for losses, message in run_on_ranks(_with_use_cache, 2, timeout_s=60):
+        assert torch.equal(losses[1], losses[0]) and torch.equal(losses[2], losses[0])
+        assert "use_cache=True was passed" in message and "LlamaForCausalLM" in message
+        assert "pass use_cache=False or leave it out" in message
+
+
 def _uneven_batch() -> None:
     _pipeline()(**_batch(batch_size=3))
 
@@ -97,6 +122,10 @@ def test_batch_not_divisible_by_microbatches():
 
 def _activation_bytes() -> dict[int, int]:
     pipe = _pipeline("gpipe")
+    pipe(**_batch())  # not measured: the meter is off by default
+    with pytest.raises(PipelineError, match=r"set model\.measure_activations = True"):
+        pipe.activation_bytes()
+    pipe.measure_activations = True
     pipe(**_batch())
     return pipe.activation_bytes()
 

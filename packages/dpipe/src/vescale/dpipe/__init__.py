@@ -12,6 +12,7 @@ from importlib.metadata import version as _distribution_version
 
 from vescale.dpipe.errors import (
     MicrobatchError,
+    PipelineArgumentError,
     PipelineCutError,
     PipelineError,
     PipelinePlanError,
@@ -26,6 +27,7 @@ __all__ = [
     "SCHEDULES",
     "SPLIT_METHODS",
     "MicrobatchError",
+    "PipelineArgumentError",
     "PipelineCutError",
     "PipelineError",
     "PipelineModule",

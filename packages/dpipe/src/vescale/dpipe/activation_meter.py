@@ -8,10 +8,14 @@ handles are alive are the activations in flight. Their maximum over a schedule i
 the schedule needs (1F1B keeps at most ``size - stage`` micro-batches alive where GPipe
 keeps all of them). Parameters (and a DTensor parameter's local shard) are not counted.
 
+The hooks cost Python on every saved tensor (a Llama stage saves ~50 per micro-batch), so a
+meter counts only while :attr:`ActivationMeter.enabled` (``PipelineModule.measure_activations``
+switches it); otherwise :meth:`ActivationMeter.recording` is a no-op.
+
 Example::
 
-    meter = ActivationMeter()
-    with meter.recording(parameters=stage_module.parameters()):
+    meter = ActivationMeter(enabled=True)
+    with meter.recording(parameters=stage_module.parameters):
         loss = stage_module(hidden_state)
     print(meter.live_bytes, meter.peak_bytes)
 """
@@ -19,7 +23,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -43,7 +47,10 @@ class _SavedActivation:
 class ActivationMeter:
     """Counts the bytes of saved-for-backward storages alive on this rank, and their peak."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, enabled: bool = False) -> None:
+        self.enabled = enabled
+        # Whether a block was ever recorded (the figures mean something).
+        self.measured = False
         self.live_bytes = 0
         self.peak_bytes = 0
         # storage key -> (handles alive, bytes)
@@ -54,16 +61,21 @@ class ActivationMeter:
         self.peak_bytes = self.live_bytes
 
     @contextlib.contextmanager
-    def recording(self, parameters: Iterable[torch.Tensor]) -> Iterator[dict[int, int]]:
-        """Count what autograd saves inside the block; yields this block's ``{storage: bytes}``.
+    def recording(self, parameters: Callable[[], Iterable[torch.Tensor]]) -> Iterator[dict[int, int]]:
+        """Count what autograd saves inside the block; yields this block's ``{storage: bytes}``
+        (empty when the meter is not :attr:`enabled`). ``parameters`` gives what not to count.
 
         Example::
 
-            with meter.recording(module.parameters()) as saved:
+            with meter.recording(module.parameters) as saved:
                 module(x)
             print(sum(saved.values()))
         """
-        parameter_storages = {local_tensor(p).untyped_storage().data_ptr() for p in parameters}
+        if not self.enabled:
+            yield {}
+            return
+        self.measured = True
+        parameter_storages = {local_tensor(p).untyped_storage().data_ptr() for p in parameters()}
         saved_in_block: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> object:

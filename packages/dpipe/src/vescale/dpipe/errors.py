@@ -16,6 +16,7 @@ from __future__ import annotations
 
 __all__ = [
     "MicrobatchError",
+    "PipelineArgumentError",
     "PipelineCutError",
     "PipelineError",
     "PipelinePlanError",
@@ -42,6 +43,10 @@ class StageCountError(PipelinePlanError):
 
 class MicrobatchError(PipelineError, ValueError):
     """The batch cannot be cut into the configured number of equal micro-batches."""
+
+
+class PipelineArgumentError(PipelineError, ValueError):
+    """A call passes a model argument that every stage fixes to another value (``use_cache=True``)."""
 
 
 class PipelineCutError(PipelineError, ValueError):

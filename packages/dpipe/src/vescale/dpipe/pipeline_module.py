@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from vescale.dmodule.experts import carry_router_statistics
 from vescale.dpipe import _compat
 from vescale.dpipe.activation_meter import ActivationMeter
-from vescale.dpipe.errors import MicrobatchError, PipelinePlanError
+from vescale.dpipe.errors import MicrobatchError, PipelineArgumentError, PipelineError, PipelinePlanError
 from vescale.dpipe.finished_loss import loss_with_backward_done
 from vescale.dpipe.gradients import data_parallel_sync_deferred, finish_pipeline_gradients, tied_parameters
 from vescale.dpipe.plan import PipelinePlan
@@ -86,6 +86,8 @@ class PipelineModule(ModuleWrapper):
         trace: ModelTrace,
         mesh: DeviceMesh | None,
         inputs: StageInputs | None = None,
+        *,
+        measure_activations: bool = False,
     ) -> None:
         super().__init__()
         self.module = model
@@ -105,7 +107,8 @@ class PipelineModule(ModuleWrapper):
         }
         router = StageRouter(model, layout, trace, self.stage_indices, self.device, inputs)
         model_kwargs = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
-        self.activation_meter = ActivationMeter()
+        self._fixed_arguments = dict(model_kwargs)
+        self.activation_meter = ActivationMeter(enabled=measure_activations)
         # The MoE load-balancing loss of transformers needs every layer's router statistics.
         router_statistics = carry_router_statistics(model)
         carries = (router_statistics,) if router_statistics is not None else ()
@@ -117,6 +120,7 @@ class PipelineModule(ModuleWrapper):
         self._anchor = torch.zeros((), requires_grad=True)
 
     def forward(self, **batch: Any) -> Any:
+        batch = self._without_fixed_arguments(batch)
         batch_size = _batch_size(batch)
         if batch_size % self.plan.microbatch_count:
             raise MicrobatchError(
@@ -153,6 +157,21 @@ class PipelineModule(ModuleWrapper):
             # A new schedule's first step also runs PyTorch's shape-inference forward: keep the last m.
             logits = torch.cat(last_stage_module.logits[-self.plan.microbatch_count :])
         return self._output_type(loss=loss, logits=logits)
+
+    def _without_fixed_arguments(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``batch`` less the arguments every stage passes the model itself (``use_cache=False``).
+
+        A caller's equal value is dropped (``model(**batch, use_cache=False)``, as in a
+        ``transformers`` training loop); another one is refused, named.
+        """
+        for name, fixed in self._fixed_arguments.items():
+            if name in batch and batch[name] is not None and batch[name] != fixed:
+                raise PipelineArgumentError(
+                    f"{name}={batch[name]!r} was passed, but every pipeline stage runs "
+                    f"{type(self.module).__name__} with {name}={fixed!r} (a stage returns no KV cache); "
+                    f"pass {name}={fixed!r} or leave it out"
+                )
+        return {name: value for name, value in batch.items() if name not in self._fixed_arguments}
 
     # The model's own FQNs, without this wrapper's ``module.`` prefix: a checkpoint, an optimizer
     # keyed by FQN and data parallelism then see the names the model has without a pipeline, so
@@ -200,14 +219,43 @@ class PipelineModule(ModuleWrapper):
         dist.broadcast(loss, group=self.pp_group, group_src=last_stage_rank)
         return loss
 
-    def activation_bytes(self) -> dict[int, int]:
-        """Bytes each local stage saved for backward in its last micro-batch forward (measured).
+    @property
+    def measure_activations(self) -> bool:
+        """Whether calls count the activations each stage saves for backward (off by default: it
+        runs a Python hook on every saved tensor). :meth:`activation_bytes` and
+        :meth:`peak_activation_bytes` report the last call that counted.
 
         Example::
 
+            model.measure_activations = True
+            model(**batch)
+            print(model.peak_activation_bytes())
+        """
+        return self.activation_meter.enabled
+
+    @measure_activations.setter
+    def measure_activations(self, enabled: bool) -> None:
+        self.activation_meter.enabled = enabled
+
+    def _measured_meter(self) -> ActivationMeter:
+        if not self.activation_meter.measured:
+            raise PipelineError(
+                "no call of this pipeline measured its activations; set model.measure_activations = True "
+                "(or pipeline_parallelize(..., measure_activations=True)) before the calls to measure"
+            )
+        return self.activation_meter
+
+    def activation_bytes(self) -> dict[int, int]:
+        """Bytes each local stage saved for backward in its last measured micro-batch forward
+        (see :attr:`measure_activations`).
+
+        Example::
+
+            model.measure_activations = True
             out = model(**batch)
             print(model.activation_bytes())   # {stage_index: bytes}
         """
+        self._measured_meter()
         return {module.stage_index: module.saved_activation_bytes for module in self._stage_modules}
 
     def peak_activation_bytes(self) -> int:
@@ -218,10 +266,11 @@ class PipelineModule(ModuleWrapper):
 
         Example::
 
+            model.measure_activations = True
             out = model(**batch)
             print(model.peak_activation_bytes() / model.activation_bytes()[model.stage_indices[0]])
         """
-        return self.activation_meter.peak_bytes
+        return self._measured_meter().peak_bytes
 
 
 def _stage_rank(plan: PipelinePlan, stage_index: int) -> int:
@@ -248,12 +297,15 @@ def pipeline_parallelize(
     mesh: DeviceMesh | None,
     plan: PipelinePlan,
     example_batch: Mapping[str, Any] | None = None,
+    *,
+    measure_activations: bool = False,
 ) -> PipelineModule:
     """Cut ``model`` into the stages of ``plan`` and keep this rank's; the model class is untouched.
 
     ``mesh`` needs a ``pp`` dimension of size ``plan.size`` (``None``: the whole world is the
     pipeline). ``example_batch`` (default: 16 zero token ids) drives the one fake-tensor pass
-    that finds the module order and FLOPs.
+    that finds the module order and FLOPs. ``measure_activations``: count the activations each
+    stage saves for backward (see :attr:`PipelineModule.measure_activations`).
 
     Example::
 
@@ -275,7 +327,7 @@ def pipeline_parallelize(
     # What a later stage needs from an earlier one besides the hidden state (a position bias, the
     # per-layer inputs computed before the blocks) travels with it; this follows the data to find it.
     inputs = find_stage_inputs(model, layout, batch)
-    return PipelineModule(model, plan, layout, trace, mesh, inputs)
+    return PipelineModule(model, plan, layout, trace, mesh, inputs, measure_activations=measure_activations)
 
 
 def _pp_mesh_dim(mesh: DeviceMesh) -> int | None:

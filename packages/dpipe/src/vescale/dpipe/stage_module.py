@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -44,7 +44,12 @@ from vescale.dpipe.split import StageLayout
 from vescale.dpipe.stage_inputs import CarriedOutput, StageInputs
 from vescale.dpipe.tracing import ModelTrace
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 __all__ = ["PipelineStageModule", "StageCarry", "StageRouter"]
+
+_UNKNOWN = object()
 
 
 class StageCarry(Protocol):
@@ -210,9 +215,9 @@ class StageRouter:
 class PipelineStageModule(nn.Module):
     """The ``nn.Module`` that torch's ``PipelineStage`` runs for one stage of the model.
 
-    Its parameters are the stage's own units'; it reports the bytes its last micro-batch
-    forward saved for backward (parameters excluded) in :attr:`saved_activation_bytes`, and
-    counts what is in flight across micro-batches in :attr:`activation_meter`.
+    Its parameters are the stage's own units'; while its :attr:`activation_meter` is enabled, it
+    reports the bytes its last micro-batch forward saved for backward (parameters excluded) in
+    :attr:`saved_activation_bytes`, and the meter counts what is in flight across micro-batches.
     """
 
     def __init__(
@@ -238,11 +243,15 @@ class PipelineStageModule(nn.Module):
         self.units = nn.ModuleDict(
             {fqn.replace(".", "/"): model.get_submodule(fqn) for fqn in router.layout.units_of(stage_index)}
         )
+        self._mesh: object = _UNKNOWN  # the mesh of the stage's DTensor parameters, found on first call
 
     def forward(self, *received: torch.Tensor, **batch: Any) -> Any:
         model, router, model_kwargs = self._stage_context
         # A tensor-parallel stage receives plain tensors and runs on DTensors (see dtensor_boundary).
-        mesh = mesh_of(self)
+        if self._mesh is _UNKNOWN:
+            # Parallelized before the first call and fixed since: look once, not per micro-batch.
+            self._mesh = mesh_of(self)
+        mesh = cast("DeviceMesh | None", self._mesh)
         hidden_state = from_wire(_with_contiguous_gradient(received[0]), mesh) if received else None
         incoming = router.inputs.received_by(self.stage_index)
         count = sum(len(output.tensor_leaves) for output in incoming)
@@ -255,7 +264,7 @@ class PipelineStageModule(nn.Module):
         saved_storages: dict[int, int] = {}
         exit_state: torch.Tensor | None = None
         try:
-            with self.activation_meter.recording(self.parameters()) as saved_storages:
+            with self.activation_meter.recording(self.parameters) as saved_storages:
                 output = model(**batch, **model_kwargs)
         except _StageExit as stage_exit:
             exit_state = stage_exit.hidden_state
@@ -263,7 +272,8 @@ class PipelineStageModule(nn.Module):
             outputs = {**router.received_outputs, **router.recorded_outputs}
             router.active_stage, router.received = None, None
             router.received_outputs, router.recorded_outputs = {}, {}
-            self.saved_activation_bytes = sum(saved_storages.values())
+            if self.activation_meter.enabled:
+                self.saved_activation_bytes = sum(saved_storages.values())
             # A clone: a stage without routers would otherwise send back its own input tensor.
             sent = tuple(carry.finish().clone() for carry in self.carries)
         if exit_state is not None:

@@ -81,6 +81,18 @@ def _is_whole_bucket(bucket: Bucket, grad: torch.Tensor) -> bool:
     )
 
 
+def _is_bucket_range(bucket: Bucket, slot: ParamSlot, grad: torch.Tensor) -> bool:
+    """Whether ``grad`` is ``slot``'s range of ``bucket``'s gradient buffer (autograd accumulated
+    into it in place), found without building the view."""
+    buffer = bucket.grad_buffer
+    return (
+        buffer is not None
+        and grad.dtype == buffer.dtype
+        and grad.data_ptr() == buffer.data_ptr() + slot.offset * buffer.element_size()
+        and grad.is_contiguous()
+    )
+
+
 def dp_mesh_dim_index(device_mesh: DeviceMesh, mesh_dim: str) -> int:
     """The index of ``mesh_dim`` in ``device_mesh``, or a :class:`DataParallelMeshError` naming its dims."""
     names = device_mesh.mesh_dim_names or ()
@@ -418,13 +430,17 @@ class DDP:
         local = local_tensor(grad)
         if self.zero_stage == 2 and bucket.grad_buffer is None and _is_whole_bucket(bucket, local):
             bucket.grad_buffer = local.view(-1)  # reduced in place: no bucket of its own, no copy
-        view = bucket.grad_view(slot)
         if self._grad_is_bucket_view(param):
             # param.grad always holds the accumulated gradient (in place when it is the view already).
-            if local.data_ptr() != view.data_ptr():
-                view.copy_(local)
-            param.grad = self._wrap_like(param, view)
+            # A plain gradient that is its bucket range already (the usual case from the second
+            # step on) needs nothing: no view to build, no copy, no new .grad.
+            if isinstance(grad, DTensor) or not _is_bucket_range(bucket, slot, local):
+                view = bucket.grad_view(slot)
+                if local.data_ptr() != view.data_ptr():
+                    view.copy_(local)
+                param.grad = self._wrap_like(param, view)
         else:
+            view = bucket.grad_view(slot)
             if id(param) in self._accumulated:
                 view.add_(local)
             else:

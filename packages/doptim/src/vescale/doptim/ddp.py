@@ -276,15 +276,42 @@ class DDP:
         # collector cannot see them, so a strong hook -> DDP -> module -> parameter cycle would keep
         # a dropped model (and its process groups) alive for the life of the process.
         on_gradient = _weak_gradient_hook(self)
+        # One rank over the batch dims has nothing to reduce: a plain parameter whose gradient is
+        # its bucket range (autograd accumulates into it in place) then needs no hook per backward;
+        # finish_grad_sync adopts a gradient that is not its range (one the caller assigned).
+        self._unhooked = [param for _, param in named_parameters if not self._needs_gradient_hook(param)]
+        unhooked = {id(param) for param in self._unhooked}
         self._hook_handles = [
             # torch leaves register_post_accumulate_grad_hook unannotated.
             param.register_post_accumulate_grad_hook(on_gradient)  # type: ignore[no-untyped-call]
             for _, param in named_parameters
+            if id(param) not in unhooked
         ]
         self._hook_handles.append(module.register_forward_pre_hook(_weak_forward_pre_hook(self)))
         setattr(module, DATA_PARALLEL_ATTRIBUTE, self)
         for _, param in named_parameters:
             setattr(param, DATA_PARALLEL_ATTRIBUTE, self)
+
+    def _needs_gradient_hook(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s gradient must pass through :meth:`_on_gradient` after each backward:
+        always but for a plain parameter of the buckets' dtype when one rank holds the whole batch
+        (no reduction, no ZeRO-2 chunk, no search for unused parameters)."""
+        alone = self.dp_size == 1 and self.zero_stage != 2 and not self.find_unused_parameters
+        return not (alone and not isinstance(param, DTensor) and self._grad_is_bucket_view(param))
+
+    @torch.no_grad()
+    def _adopt_unhooked_gradients(self) -> None:
+        """Copy the gradient of an unhooked parameter into its bucket range when it is not that
+        range already (assigned by the caller, or accumulated before the range was its ``.grad``)."""
+        for param in self._unhooked:
+            grad = param.grad
+            bucket, position = self._slot_of[id(param)]
+            slot = bucket.slots[position]
+            if grad is None or _is_bucket_range(bucket, slot, grad):
+                continue
+            view = bucket.grad_view(slot)
+            view.copy_(grad)
+            param.grad = view
 
     def reduction_of(self, param: torch.Tensor) -> ReductionGroup:
         """The ranks ``param``'s gradient is summed over: the data-parallel dims it is replicated on."""
@@ -329,6 +356,7 @@ class DDP:
 
         Called at the end of every synchronising backward; a no-op when no gradient arrived since.
         """
+        self._adopt_unhooked_gradients()
         if not self._grads_arrived:
             return
         for bucket in self.buckets:

@@ -25,6 +25,12 @@ would write, after torchtitan's ``parallelize`` for Llama:
   ``vescale.parallelize(plan, model, optimizer_fn, compile=...)`` (with tensor parallelism
   each decoder layer is compiled on its own);
 * ``vescale dp4`` and ``vescale dp4+compile``: a dp4 ZeRO-0 plan (the whole model compiled);
+* ``native pp4 1f1b`` / ``vescale pp4 1f1b``: a 4-stage pipeline (sdpa), cut before decoder
+  layers ``L/4``, ``2L/4`` and ``3L/4``, PyTorch's 1F1B over ``--batch`` one-row micro-batches:
+  ``torch.distributed.pipelining`` with hand-written stages (``native_pipeline.py``: torchtitan's
+  recipe on ``transformers``' module names) against ``vescale.parallelize`` of a plan with the
+  same cuts and schedule (``pipeline_parallel.split_points``), which runs the model's own forward
+  per stage;
 * ``vescale dp2×tp2 sdpa selective`` / ``full`` (and ``+compile``), run only when named:
   what recomputation costs per step, against the sdpa row without it.
 
@@ -53,6 +59,7 @@ import time
 import torch
 import torch.distributed as dist
 import transformers
+from native_pipeline import NativePipeline
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -72,7 +79,9 @@ PAIRS = (
     (COMPILED_TP, "native sdpa+compile"),
     ("vescale dp4", "native dp4"),
     ("vescale dp4+compile", "native dp4+compile"),
+    ("vescale pp4 1f1b", "native pp4 1f1b"),
 )
+PIPELINE_STAGES = 4
 # Recomputation rows are measured against the same plan without recomputation.
 OURS_TO_NATIVE = {
     **dict(PAIRS),
@@ -91,6 +100,24 @@ def _config(hidden: int, layers: int, attention: str = "eager") -> transformers.
         max_position_embeddings=256,
         attn_implementation=attention,
     )
+
+
+def _data_parallel(variant: str) -> int:
+    """The data-parallel size of ``variant`` (of 4 ranks)."""
+    return 1 if "pp4" in variant else 4 if "dp4" in variant else 2
+
+
+def _sdpa(variant: str) -> bool:
+    return any(name in variant for name in ("sdpa", "dp4", "pp4"))
+
+
+def _cuts(layers: int) -> tuple[int, ...]:
+    """The decoder layers the pipeline's stages after the first start at (uniform)."""
+    if layers < PIPELINE_STAGES:
+        raise ValueError(
+            f"a {PIPELINE_STAGES}-stage pipeline needs at least {PIPELINE_STAGES} layers, got {layers}"
+        )
+    return tuple(stage * layers // PIPELINE_STAGES for stage in range(1, PIPELINE_STAGES))
 
 
 def _optimizer_fn(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -136,8 +163,16 @@ def _torchtitan_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
         parallelize_module(layer, tp_mesh, plan)
 
 
-def _native(variant: str, config: transformers.LlamaConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _native(
+    variant: str, config: transformers.LlamaConfig, batch: int
+) -> tuple[torch.nn.Module | NativePipeline, torch.optim.Optimizer]:
     torch.manual_seed(0)
+    if "pp4" in variant:
+        mesh = init_device_mesh("cpu", (PIPELINE_STAGES,), mesh_dim_names=("pp",))
+        pipeline = NativePipeline.build(
+            config, mesh["pp"], cuts=_cuts(config.num_hidden_layers), schedule="1f1b", microbatches=batch
+        )
+        return pipeline, _optimizer_fn(pipeline.stage_module)
     model = transformers.LlamaForCausalLM(config)
     if "dp4" in variant:
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
@@ -171,10 +206,24 @@ def _vescale(
 
 def _build(
     variant: str, config: transformers.LlamaConfig, batch: int
-) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+) -> tuple[torch.nn.Module | NativePipeline, torch.optim.Optimizer]:
     if variant.startswith("native"):
-        return _native(variant, config)
-    dp = 4 if "dp4" in variant else 2
+        return _native(variant, config, batch)
+    dp = _data_parallel(variant)
+    if dp == 1:  # the pipeline: one-row micro-batches, PyTorch's 1F1B, the native side's cuts
+        constraints = {
+            "pipeline_parallel.size": PIPELINE_STAGES,
+            "data_parallel.size": 1,
+            "tensor_parallel.size": 1,
+            "pipeline_parallel.schedule": "1f1b",
+            "pipeline_parallel.num_microbatches": batch,
+            "pipeline_parallel.split_method": "manual",
+            "pipeline_parallel.split_points": [
+                f"model.layers.{cut}" for cut in _cuts(config.num_hidden_layers)
+            ],
+            "global_batch_size": batch,
+        }
+        return _vescale(config, constraints, compile_model=False)
     constraints = {"data_parallel.size": 4, "zero.stage": 0}
     if dp == 2:
         constraints = {"data_parallel.size": 2, "tensor_parallel.size": 2, "zero.stage": 3}
@@ -190,7 +239,10 @@ def _steps(model, optimizer, input_ids: torch.Tensor, count: int) -> list[float]
         dist.barrier()
         start = time.perf_counter()
         optimizer.zero_grad()
-        model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
+        if isinstance(model, NativePipeline):
+            model.step(input_ids)  # the schedule runs forward and backward
+        else:
+            model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
         optimizer.step()
         dist.barrier()
         times.append(time.perf_counter() - start)
@@ -213,9 +265,8 @@ def pair_on_ranks(
     Returns the slowest rank's per-block median step times.
     """
     torch._dynamo.config.recompile_limit = 64  # both sides' blocks share one code object
-    sdpa = any(name in ours for name in ("sdpa", "dp4"))
-    config = _config(hidden, layers, "sdpa" if sdpa else "eager")
-    dp = 4 if "dp4" in ours else 2
+    config = _config(hidden, layers, "sdpa" if _sdpa(ours) else "eager")
+    dp = _data_parallel(ours)
     # Each dp rank's own rows (the tp ranks of one dp rank share them).
     generator = torch.Generator().manual_seed(dist.get_rank() // (4 // dp))
     input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
@@ -235,8 +286,10 @@ def pair_on_ranks(
 
 
 def _warm_up_side(variant: str, attention: str, batch: int, input_ids: torch.Tensor) -> None:
-    """Build ``variant`` on a 1-layer, 64-wide twin of the model and run a step, then drop it."""
-    model, optimizer = _build(variant, _config(64, 1, attention), batch)
+    """Build ``variant`` on a 64-wide twin of the model (one layer, a pipeline's one per stage)
+    and run a step, then drop it."""
+    layers = PIPELINE_STAGES if _data_parallel(variant) == 1 else 1
+    model, optimizer = _build(variant, _config(64, layers, attention), batch)
     _steps(model, optimizer, input_ids, 1)
     del model, optimizer
     gc.collect()
@@ -251,12 +304,11 @@ def peak_on_ranks(
     """In fresh ranks, the worst rank's peak growth over building ``variant`` and ``warmup`` steps
     (its weights, optimizer state, activations and temporaries): of malloc's bytes in use (the
     checked figure) and of the resident set."""
-    sdpa = any(name in variant for name in ("sdpa", "dp4"))
-    config = _config(hidden, layers, "sdpa" if sdpa else "eager")
-    dp = 4 if "dp4" in variant else 2
+    config = _config(hidden, layers, "sdpa" if _sdpa(variant) else "eager")
+    dp = _data_parallel(variant)
     generator = torch.Generator().manual_seed(dist.get_rank() // (4 // dp))
     input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
-    _warm_up_side(variant, "sdpa" if sdpa else "eager", batch, input_ids)
+    _warm_up_side(variant, "sdpa" if _sdpa(variant) else "eager", batch, input_ids)
     with PeakResident() as resident, PeakHeapInUse() as heap:
         model, optimizer = _build(variant, config, batch)
         _steps(model, optimizer, input_ids, warmup)

@@ -88,11 +88,12 @@ BENCHES: dict[str, tuple[list[str], list[str]]] = {
             "--hidden",
             "64",
             "--layers",
-            "1",
+            "4",
             "--seq",
             "16",
             "--pairs",
             "vescale dp2×tp2 sdpa",
+            "vescale pp4 1f1b",
         ],
     ),
     "checkpoint": (

@@ -11,6 +11,10 @@ shard is averaged with the same shard on the other dp ranks. A gradient that arr
 sync would do the same at the end of backward, too late for a bucket launched during it),
 so a bucket's dp reduction always reads tp-reduced gradients.
 
+Over one rank (dp = 1, a pipeline- or tensor-only plan) nothing is reduced: a plain parameter
+of the buckets' dtype keeps the gradient autograd makes (no hook, no bucket range, freed by
+``zero_grad`` as without data parallelism) and the optimizer steps that gradient.
+
 Under ZeRO-2 a bucket's full gradient buffer lives only from its first gradient to the end
 of its reduce-scatter (:mod:`vescale.doptim.buckets`): at most ``MAX_BUCKETS_IN_FLIGHT``
 reductions run at once (launching one more first completes the oldest), and a completed
@@ -259,7 +263,9 @@ class DDP:
             bucket_size_bytes=int(bucket_size_mb * 2**20),
             dp_size=self.dp_size,
             grad_dtype=grad_dtype,
-            lazy=zero_stage == 2,
+            # Over one rank a bucket's buffer holds only the hooked parameters' gradients (DTensors,
+            # other dtypes): allocated when the first of them needs it, never for plain ones.
+            lazy=zero_stage == 2 or self.dp_size == 1,
             reduction_of=self.reduction_of,
         )
         self._slot_of: dict[int, tuple[Bucket, int]] = {}
@@ -276,11 +282,11 @@ class DDP:
         # collector cannot see them, so a strong hook -> DDP -> module -> parameter cycle would keep
         # a dropped model (and its process groups) alive for the life of the process.
         on_gradient = _weak_gradient_hook(self)
-        # One rank over the batch dims has nothing to reduce: a plain parameter whose gradient is
-        # its bucket range (autograd accumulates into it in place) then needs no hook per backward;
-        # finish_grad_sync adopts a gradient that is not its range (one the caller assigned).
-        self._unhooked = [param for _, param in named_parameters if not self._needs_gradient_hook(param)]
-        unhooked = {id(param) for param in self._unhooked}
+        # One rank over the batch dims has nothing to reduce: a plain parameter of the buckets'
+        # dtype then keeps the gradient autograd gives it (no hook, no bucket range, freed by
+        # zero_grad as without DDP), and the optimizer steps that gradient (load_grads).
+        unhooked = {id(param) for _, param in named_parameters if not self._needs_gradient_hook(param)}
+        self._unhooked = unhooked
         self._hook_handles = [
             # torch leaves register_post_accumulate_grad_hook unannotated.
             param.register_post_accumulate_grad_hook(on_gradient)  # type: ignore[no-untyped-call]
@@ -299,19 +305,15 @@ class DDP:
         alone = self.dp_size == 1 and self.zero_stage != 2 and not self.find_unused_parameters
         return not (alone and not isinstance(param, DTensor) and self._grad_is_bucket_view(param))
 
-    @torch.no_grad()
-    def _adopt_unhooked_gradients(self) -> None:
-        """Copy the gradient of an unhooked parameter into its bucket range when it is not that
-        range already (assigned by the caller, or accumulated before the range was its ``.grad``)."""
-        for param in self._unhooked:
-            grad = param.grad
-            bucket, position = self._slot_of[id(param)]
-            slot = bucket.slots[position]
-            if grad is None or _is_bucket_range(bucket, slot, grad):
-                continue
-            view = bucket.grad_view(slot)
-            view.copy_(grad)
-            param.grad = view
+    @property
+    def _reduces(self) -> bool:
+        """Whether buckets are reduced at all: not over one rank (but ZeRO-2's chunk is still filled)."""
+        return self.dp_size > 1 or self.zero_stage == 2
+
+    def keeps_own_gradient(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s gradient stays the tensor autograd made (one rank, no hook): the
+        optimizer then steps ``param.grad`` itself, not a bucket range."""
+        return id(param) in self._unhooked
 
     def reduction_of(self, param: torch.Tensor) -> ReductionGroup:
         """The ranks ``param``'s gradient is summed over: the data-parallel dims it is replicated on."""
@@ -356,15 +358,16 @@ class DDP:
 
         Called at the end of every synchronising backward; a no-op when no gradient arrived since.
         """
-        self._adopt_unhooked_gradients()
         if not self._grads_arrived:
             return
         for bucket in self.buckets:
             if bucket.index not in self._reductions:
                 self._complete_unused(bucket)
-                self._launch(bucket)
-        for bucket in self.buckets:
-            self._complete(bucket)
+                if self._reduces:
+                    self._launch(bucket)
+        if self._reduces:
+            for bucket in self.buckets:
+                self._complete(bucket)
         self._reductions.clear()
         if self.find_unused_parameters:
             self._drop_globally_unused()
@@ -416,6 +419,7 @@ class DDP:
                 for slot in bucket.slots
                 if slot.param.grad is None
                 and slot.param.requires_grad
+                and id(slot.param) not in self._unhooked
                 and not isinstance(slot.param, DTensor)
                 and self._grad_is_bucket_view(slot.param)
             ]
@@ -476,7 +480,7 @@ class DDP:
                 self._accumulated.add(id(param))
             param.grad = None
         bucket.ready.add(position)
-        if self._sync_enabled and self.overlap:
+        if self._sync_enabled and self.overlap and self._reduces:
             self._launch_ready_in_order()
 
     def _launch_ready_in_order(self) -> None:
@@ -491,9 +495,9 @@ class DDP:
     def _complete_unused(self, bucket: Bucket) -> None:
         """Zero the bucket ranges of parameters that got no gradient in this accumulation window."""
         for position, slot in enumerate(bucket.slots):
-            if position in bucket.ready:
-                continue
             param = slot.param
+            if position in bucket.ready or id(param) in self._unhooked:
+                continue
             view = bucket.grad_view(slot)
             if self._grad_is_bucket_view(param):
                 if param.grad is None:

@@ -94,10 +94,20 @@ def build_param_shards(ddp: DDP, *, master_dtype: torch.dtype | None) -> dict[in
 
 
 def load_grads(ddp: DDP, shards: dict[int, ParamShard]) -> None:
-    """Point (or copy, across dtypes) each master's ``.grad`` at its averaged range of the bucket."""
+    """Point (or copy, across dtypes) each master's ``.grad`` at its averaged range of the bucket,
+    or at the parameter's own gradient where ``ddp`` keeps it (one rank)."""
     for shard in shards.values():
         if id(shard.param) in ddp.unused_params:
             shard.master.grad = None  # no rank used it: the optimizer skips it, as on one device
+            continue
+        if ddp.keeps_own_gradient(shard.param):
+            # One rank: the gradient autograd made is the gradient (None: the optimizer skips it).
+            own = shard.param.grad
+            if own is None:
+                shard.master.grad = None
+                continue
+            own = own.reshape(-1)[shard.start : shard.end]
+            shard.master.grad = own if own.dtype == shard.master.dtype else own.to(shard.master.dtype)
             continue
         bucket, slot = shard.bucket_and_slot()
         if ddp.zero_stage == 2:
@@ -105,6 +115,10 @@ def load_grads(ddp: DDP, shards: dict[int, ParamShard]) -> None:
             source = bucket.reduced_chunk()[
                 slot.offset + shard.start - chunk_start : slot.offset + shard.end - chunk_start
             ]
+        elif bucket.grad_buffer is None:
+            # A lazy bucket over one rank that no gradient reached: the optimizer skips it.
+            shard.master.grad = None
+            continue
         else:
             source = bucket.reduced_buffer()[slot.offset + shard.start : slot.offset + shard.end]
         shard.master.grad = source if source.dtype == shard.master.dtype else source.to(shard.master.dtype)

@@ -37,7 +37,7 @@ from vescale.dpipe.schedules import build_schedule, local_stage_indices
 from vescale.dpipe.split import StageLayout, split_model
 from vescale.dpipe.stage_inputs import StageInputs, find_stage_inputs
 from vescale.dpipe.stage_module import PipelineStageModule, StageRouter
-from vescale.dpipe.tracing import ModelTrace, default_example_batch, trace_model
+from vescale.dpipe.tracing import ModelTrace, default_example_batch, no_cache_kwargs, trace_model
 
 __all__ = ["ModuleWrapper", "PipelineModule", "pipeline_parallelize"]
 
@@ -106,8 +106,8 @@ class PipelineModule(ModuleWrapper):
             id(tied.parameter): first_names[id(tied.parameter)] for tied in self._tied_parameters
         }
         router = StageRouter(model, layout, trace, self.stage_indices, self.device, inputs)
-        model_kwargs = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
-        self._fixed_arguments = dict(model_kwargs)
+        model_kwargs = no_cache_kwargs(model)
+        self._fixed_arguments = model_kwargs
         self.activation_meter = ActivationMeter(enabled=measure_activations)
         # The MoE load-balancing loss of transformers needs every layer's router statistics.
         router_statistics = carry_router_statistics(model)

@@ -42,7 +42,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflat
 from vescale.dpipe import _compat
 from vescale.dpipe.errors import PipelineCutError
 from vescale.dpipe.split import StageLayout
-from vescale.dpipe.tracing import shapes_only_pass
+from vescale.dpipe.tracing import no_cache_kwargs, shapes_only_pass
 
 __all__ = ["CarriedOutput", "StageInputs", "find_stage_inputs"]
 
@@ -227,8 +227,7 @@ def _needed_by_stage(
     handles.append(model.get_submodule(entry_fqn).register_forward_pre_hook(enter, with_kwargs=True))
     if exit_fqn is not None:
         handles.append(model.get_submodule(exit_fqn).register_forward_pre_hook(leave, with_kwargs=True))
-    config = getattr(model, "config", None)
-    model_kwargs = {"use_cache": False} if config is not None and hasattr(config, "use_cache") else {}
+    model_kwargs = no_cache_kwargs(model)
     try:
         with shapes_only_pass():
             fake_batch = {name: _fake(value) for name, value in example_batch.items()}

@@ -30,7 +30,7 @@ from vescale.dpipe.errors import PipelineCutError
 from vescale.dtensor.deferred.fake_values import FakeValuePolicy
 from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
 
-__all__ = ["ModelTrace", "default_example_batch", "shapes_only_pass", "trace_model"]
+__all__ = ["ModelTrace", "default_example_batch", "no_cache_kwargs", "shapes_only_pass", "trace_model"]
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
         with shapes_only_pass():
             fake_batch = {name: _to_fake(value) for name, value in example_batch.items()}
             with flop_counter, parameter_uses:
-                output = model(**fake_batch, **_no_cache_kwargs(model))
+                output = model(**fake_batch, **no_cache_kwargs(model))
     except Exception as error:
         raise PipelineCutError(
             f"dpipe could not run {type(model).__name__}'s forward on fake tensors to find its module "
@@ -226,7 +226,8 @@ def _to_fake(value: Any) -> Any:
     return torch.empty_like(value).copy_(value) if isinstance(value, torch.Tensor) else value
 
 
-def _no_cache_kwargs(model: nn.Module) -> dict[str, bool]:
-    # A KV cache is useless in training and its object would cross stage boundaries.
+def no_cache_kwargs(model: nn.Module) -> dict[str, bool]:
+    """``{"use_cache": False}`` for a model whose config has ``use_cache``, else ``{}``: every
+    forward dpipe runs passes it (a KV cache is useless in training and would cross stages)."""
     config = getattr(model, "config", None)
     return {"use_cache": False} if config is not None and hasattr(config, "use_cache") else {}

@@ -21,6 +21,7 @@ __all__ = [
     "ERROR_TEXT_CHARS",
     "FLOOR_FACTOR",
     "GRAD_RTOL",
+    "LOSS_OP_EPSILON",
     "LOSS_RTOL",
     "STATUSES",
     "STEP_LOSS_RTOL",
@@ -28,6 +29,7 @@ __all__ = [
     "error_line",
     "judge_losses",
     "judge_step",
+    "loss_floor",
 ]
 
 LOSS_RTOL = 1e-5  # one step's loss under TP (issue 18): sharded sums differ by a few ulps
@@ -44,6 +46,14 @@ ZERO_GRADIENT_FRACTION = 1e-6
 # exact value (XLM at TP=4: 2.9e-5 from the exact loss, where one float32 process is 4.9e-5 off).
 # A placement bug moves a number by far more than its rounding (DiffLlama's was 1.7 relative).
 FLOOR_FACTOR = 4.0
+# transformers computes the loss in float32 even from float64 logits (it upcasts to float32 only),
+# so the float64 run shares the loss op's own rounding and its error cannot measure it: a
+# log-sum-exp led by its largest term rounds on the scale of 1, an absolute error of about one
+# float32 epsilon per token, whatever the arithmetic before it. On a near-zero loss that is a
+# relative error the measured floor may miss: XLM's loss is 9.5e-4, and on an AVX2 CPU its
+# float32 reference lands 2.5e-6 from the float64 one by luck while TP=4, summing in another
+# order, lands 3.7e-5 away (within eps32 / 9.5e-4 = 1.3e-4). A loss near log(vocab) is unaffected.
+LOSS_OP_EPSILON = 2.0**-23
 
 
 def error_line(error: BaseException | str, limit: int | None = ERROR_TEXT_CHARS) -> str:
@@ -100,11 +110,13 @@ def judge_step(
     ``exact`` is the same step in float64: then each number is compared with its exact value and
     its bound is ``RTOL + FLOOR_FACTOR × (float32 reference's own error)``, so that a case whose
     float32 arithmetic is itself that far off (a loss near zero) is judged by what a bug would
-    change, not by rounding.
+    change, not by rounding. The loss's floor is at least its loss op's own rounding
+    (:func:`loss_floor`), which the float64 run shares and so cannot measure.
     """
     exact_loss, exact_gradients = exact if exact is not None else (None, None)
-    loss_floor = 0.0 if exact_loss is None else _relative_value(reference_loss, exact_loss)
     truth_loss = reference_loss if exact_loss is None else exact_loss
+    measured_floor = 0.0 if exact_loss is None else _relative_value(reference_loss, exact_loss)
+    loss_bound_floor = loss_floor(measured_floor, truth_loss)
     loss_error = _relative_value(loss, truth_loss)
     scale = max(
         (grad.abs().max().item() for grad in reference_gradients.values() if grad is not None), default=0.0
@@ -143,7 +155,8 @@ def judge_step(
     worst_error = (worst[0], grad_errors.get(worst[0], 0.0))
     details = {
         "loss_error": loss_error,
-        "loss_floor": loss_floor,
+        "loss_floor": loss_bound_floor,
+        "loss_floor_measured": measured_floor,
         "worst_grad": list(worst_error),
         "worst_grad_over_bound": worst[1],
         "loss": loss,
@@ -152,7 +165,7 @@ def judge_step(
     }
     if problems:
         return Cell("silent", error_line(f"✘ silently wrong: {problems[0]}"), seconds, details)
-    loss_bad = loss_error > LOSS_RTOL + FLOOR_FACTOR * loss_floor
+    loss_bad = loss_error > LOSS_RTOL + FLOOR_FACTOR * loss_bound_floor
     grad_bad = worst[1] > 1.0
     if loss_bad:
         text = f"✘ silently wrong: loss rel {loss_error:.1e}"
@@ -167,6 +180,18 @@ def judge_step(
             details,
         )
     return Cell("pass", "✔", seconds, details)
+
+
+def loss_floor(measured: float, loss: float) -> float:
+    """A loss's relative noise floor: the float32 reference's measured error, or the loss op's own
+    rounding (:data:`LOSS_OP_EPSILON` absolute) where that is larger.
+
+    Example::
+
+        loss_floor(2.5e-6, 9.5e-4)   # 1.25e-4: XLM's near-zero loss
+        loss_floor(0.0, 4.8)         # 2.5e-8: a loss near log(vocab)
+    """
+    return max(measured, LOSS_OP_EPSILON / abs(loss)) if loss else measured
 
 
 def _relative_value(value: float, reference: float) -> float:
@@ -193,7 +218,10 @@ def judge_losses(
         )
     truth = reference if exact is None else exact[: len(reference)]
     errors = [_relative_value(value, true) for value, true in zip(losses, truth, strict=True)]
-    floors = [0.0 if exact is None else _relative_value(a, b) for a, b in zip(reference, truth, strict=True)]
+    floors = [
+        loss_floor(0.0 if exact is None else _relative_value(a, b), b)
+        for a, b in zip(reference, truth, strict=True)
+    ]
     # Training amplifies rounding: AdamW turns the float32 noise of near-zero gradient elements into
     # whole learning-rate steps, so on an ill-conditioned tiny model two float32 runs part
     # exponentially (Gemma-4: about x10 a step), and a run that parts one step earlier is ~10x

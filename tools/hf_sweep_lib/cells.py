@@ -218,15 +218,13 @@ def judge_losses(
         )
     truth = reference if exact is None else exact[: len(reference)]
     errors = [_relative_value(value, true) for value, true in zip(losses, truth, strict=True)]
-    floors = [
-        loss_floor(0.0 if exact is None else _relative_value(a, b), b)
-        for a, b in zip(reference, truth, strict=True)
-    ]
+    floors = [0.0 if exact is None else _relative_value(a, b) for a, b in zip(reference, truth, strict=True)]
     # Training amplifies rounding: AdamW turns the float32 noise of near-zero gradient elements into
     # whole learning-rate steps, so on an ill-conditioned tiny model two float32 runs part
     # exponentially (Gemma-4: about x10 a step), and a run that parts one step earlier is ~10x
     # further off at the same step. Step k is judged against the reference's own error up to k+1.
-    reached = [max(floors[: step + 2]) for step in range(len(floors))]
+    # The loss op's own rounding (loss_floor) is the step's alone: training does not carry it.
+    reached = [loss_floor(max(floors[: step + 2]), truth[step]) for step in range(len(floors))]
     excess = [
         error / (STEP_LOSS_RTOL + FLOOR_FACTOR * floor) for error, floor in zip(errors, reached, strict=True)
     ]

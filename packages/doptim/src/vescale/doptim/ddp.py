@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import torch
@@ -153,6 +153,16 @@ def _weak_forward_pre_hook(ddp: DDP) -> Callable[..., None]:
     return disabled
 
 
+def widest_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The floating dtype of most bits among ``dtypes`` (the first of them on a tie).
+
+    Example::
+
+        widest_dtype([torch.float32, torch.bfloat16])   # torch.float32
+    """
+    return max(dtypes, key=lambda dtype: torch.finfo(dtype).bits)
+
+
 def data_parallel_of(module_or_param: nn.Module | torch.Tensor) -> DDP | None:
     """The DDP applied to a module, or to the module that owns a parameter; ``None`` if none."""
     return getattr(module_or_param, DATA_PARALLEL_ATTRIBUTE, None)
@@ -205,6 +215,9 @@ class DDP:
     state; 2 reduce-scatters, leaving each rank only its chunk of each bucket
     (``param.grad`` is then ``None`` after the synchronising backward).
 
+    ``grad_dtype`` is the narrowest dtype gradients are bucketed and reduced in: float32 for bf16
+    parameters, and a float64 model's own float64 (its gradients are never rounded to float32).
+
     A parameter that gets no gradient on a rank in an accumulation window counts as zero
     there. ``find_unused_parameters=True`` also finds the parameters no rank used (one small
     all-reduce per synchronising backward) and leaves them without a gradient, so the
@@ -251,6 +264,7 @@ class DDP:
         self.dp_group, self.dp_size, self.dp_rank = mesh_dims_group(device_mesh, self.mesh_dims)
         self._reductions_by_dims: dict[tuple[str, ...], ReductionGroup] = {}
         self.overlap = overlap
+        grad_dtype = widest_dtype([grad_dtype, *(param.dtype for _, param in named_parameters)])
         self.grad_dtype = grad_dtype
         self.deterministic = deterministic
         self.zero_stage = zero_stage
@@ -309,6 +323,30 @@ class DDP:
     def _reduces(self) -> bool:
         """Whether buckets are reduced at all: not over one rank (but ZeRO-2's chunk is still filled)."""
         return self.dp_size > 1 or self.zero_stage == 2
+
+    @torch.no_grad()
+    def take_accumulated_gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient accumulated for ``param`` inside :meth:`no_sync` where its bucket holds it
+        (a parameter of another dtype than the buckets', whose ``.grad`` the hook moves there), as a
+        new tensor of the parameter's dtype and kind; the bucket forgets it. ``None`` where the
+        gradient is ``param.grad`` itself (a bucket view) or none arrived.
+
+        Who rescales or sums gradients between ``no_sync`` and the backward that reduces them
+        (``vescale.dpipe``) hands this back as ``param.grad`` first; the next gradient hook then
+        copies it into the bucket instead of adding to the old value.
+
+        Example::
+
+            if param.grad is None:
+                param.grad = ddp.take_accumulated_gradient(param)
+        """
+        if id(param) not in self._accumulated:
+            return None
+        self._accumulated.discard(id(param))
+        bucket, position = self._slot_of[id(param)]
+        bucket.ready.discard(position)
+        gradient = bucket.grad_view(bucket.slots[position]).to(param.dtype, copy=True)
+        return self._wrap_like(param, gradient)
 
     def keeps_own_gradient(self, param: torch.Tensor) -> bool:
         """Whether ``param``'s gradient stays the tensor autograd made (one rank, no hook): the

@@ -62,9 +62,10 @@ def _data_parallel_owner(optimizer: Optimizer) -> DDP | FullyShardedState:
 class DistributedOptimizer(Optimizer):
     """Step ``optimizer`` under the ZeRO stage of the model its parameters belong to.
 
-    ``master_dtype`` (stages 0-2) is the dtype of the stepped tensors and of the optimizer
-    state: ``torch.float32`` keeps fp32 master weights for bf16 parameters; ``None`` steps
-    each parameter in its own dtype, in place.
+    ``master_dtype`` (stages 0-2) is the narrowest dtype of the stepped tensors and of the
+    optimizer state: ``torch.float32`` keeps fp32 master weights for bf16 parameters and steps
+    float32 and float64 ones in their own dtype, in place; ``None`` steps each parameter in its
+    own dtype.
 
     Example::
 

@@ -4,7 +4,8 @@ PyTorch's schedules accumulate every micro-batch's gradient unscaled, and its ze
 schedules write weight gradients with ``param.grad += dw`` outside autograd, so the
 post-accumulate-grad hooks that data parallelism (``vescale.doptim``'s DDP buckets) and tensor
 parallelism (dmodule's grad sync of ``Partial`` gradients) rely on see only some of them.
-After the schedule, this module divides each gradient by the micro-batch count once, sums
+After the schedule, this module divides each gradient by the micro-batch count once (taking
+back first the ones DDP holds in its buckets: a parameter of another dtype than the buckets'), sums
 tied parameters (GPT-2's ``wte``/``lm_head``) over the pipeline stages that hold them, and
 then hands every gradient to autograd once more (``torch.autograd.backward`` on the
 parameters themselves), so that each of those hooks sees each parameter's final gradient
@@ -104,6 +105,12 @@ def finish_pipeline_gradients(
     """
     parameters = list(parameters)
     for parameter in parameters:
+        if parameter.grad is None:
+            # DDP moved the gradient of a parameter of another dtype than its buckets' (a bf16 or
+            # float64 model) into a bucket: take it back, or it would miss the scaling below.
+            data_parallel = data_parallel_of(parameter)
+            take = getattr(data_parallel, "take_accumulated_gradient", None)
+            parameter.grad = take(parameter) if take is not None else None
         if parameter.grad is not None:
             parameter.grad.div_(num_microbatches)
     for tied_parameter in tied:

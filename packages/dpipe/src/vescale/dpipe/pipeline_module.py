@@ -41,6 +41,9 @@ from vescale.dpipe.tracing import ModelTrace, default_example_batch, no_cache_kw
 
 __all__ = ["ModuleWrapper", "PipelineModule", "pipeline_parallelize"]
 
+# The dtypes a loss may have; the broadcast of the loss carries the index of its own.
+_LOSS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
 
 def _loss_of_last_stage(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
     # The last stage returns (loss, logits): the model computed its own loss from the labels.
@@ -211,13 +214,27 @@ class PipelineModule(ModuleWrapper):
         return self._schedules[key]
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The last stage's mean micro-batch loss on every pp rank, in the dtype it has there.
+
+        Only the last stage knows the loss's dtype (a float64 or bf16 model's loss is one), so
+        the loss travels as float64, which holds every floating dtype's value exactly, beside
+        its dtype's index in :data:`_LOSS_DTYPES`: one broadcast of two numbers.
+        """
         last_stage_rank = _stage_rank(self.plan, self.plan.num_stages - 1)
+        message = torch.zeros(2, dtype=torch.float64, device=self.device)
         if losses:
             loss = torch.stack([micro_loss.detach() for micro_loss in losses]).sum() / len(losses)
-        else:
-            loss = torch.zeros((), device=self.device)
-        dist.broadcast(loss, group=self.pp_group, group_src=last_stage_rank)
-        return loss
+            if loss.dtype not in _LOSS_DTYPES:
+                raise PipelineError(
+                    f"the model's loss has dtype {loss.dtype}; a pipeline broadcasts losses of "
+                    f"{', '.join(map(str, _LOSS_DTYPES))}: return a floating-point loss"
+                )
+            message[0] = loss.to(torch.float64)
+            message[1] = _LOSS_DTYPES.index(loss.dtype)
+        dist.broadcast(message, group=self.pp_group, group_src=last_stage_rank)
+        if losses:
+            return loss
+        return message[0].to(_LOSS_DTYPES[int(message[1])])
 
     @property
     def measure_activations(self) -> bool:

@@ -83,7 +83,13 @@ def test_ranks_that_outnumber_the_cores_each_get_a_share_of_one():
         slowdown = run["slowdown_at_once"]
         for key in ("fp32_flops", "bf16_flops", "memory_bandwidth"):
             assert run[key] == pytest.approx(run[f"one_core_{key}"] / slowdown, rel=1e-12), key
-        for key in ("fp32_matmul_overhead_s", "op_overhead_s", "dtensor_op_overhead_s"):
+        for key in (
+            "fp32_matmul_overhead_s",
+            "op_overhead_s",
+            "dtensor_op_overhead_s",
+            "optimizer_tensor_s",
+            "dtensor_optimizer_tensor_s",
+        ):
             assert run[key] == pytest.approx(run[f"one_core_{key}"] * slowdown, rel=1e-12), key
     # A collective waits for the rank that shares the core to finish its time slice (measured
     # quiet: 0.6-1.5 ms); one rank alone has no collective to wait in.

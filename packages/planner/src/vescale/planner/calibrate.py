@@ -1,6 +1,7 @@
 """Measure this machine as ``world_size`` CPU ranks see it: matmul FLOP/s, fused attention's
 efficiency by head dimension, memory bandwidth, the host cost of one op, gloo all-reduce
-latency and bandwidth, what a DTensor redistribution adds to the collective it runs, how long
+latency and bandwidth, the host time of AdamW's per-tensor loop (plain and DTensor
+parameters), what a DTensor redistribution adds to the collective it runs, how long
 a collective waits for its last member when the ranks come to it from computing, and the
 backend's flat all-gather and reduce-scatter against a ring's time (gloo has no ring
 reduce-scatter: 3-4x).
@@ -151,6 +152,24 @@ def _dtensor_op_seconds(leaf: torch.Tensor, mesh: DeviceMesh) -> float:
     return _seconds(step, 200) / 4
 
 
+def _optimizer_tensor_seconds(mesh: DeviceMesh | None = None, tensors: int = 32) -> float:
+    """Seconds of one ``torch.optim.AdamW`` step per parameter tensor, on ``tensors`` tiny ones
+    (DTensors on ``mesh`` where one is given): the per-tensor loop's host time, under
+    ``no_grad`` as the step runs it, with the defaults a user's optimizer has."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def parameter() -> torch.nn.Parameter:
+        value = torch.ones(4)
+        if mesh is not None:
+            value = DTensor.from_local(value, mesh, [Replicate()], run_check=False)
+        parameter = torch.nn.Parameter(value)
+        parameter.grad = torch.full_like(value, 0.5)
+        return parameter
+
+    optimizer = torch.optim.AdamW([parameter() for _ in range(tensors)], lr=1e-3)
+    return _seconds(optimizer.step, 20) / tensors
+
+
 def _redistribute_overhead_seconds() -> float:
     """What a DTensor redistribution (``Shard(0) -> Replicate``, as tensor parallelism runs) costs
     beyond the same all-gather called directly: its planning, copies and autograd wrapping."""
@@ -237,6 +256,8 @@ def _one_core_figures(mesh: DeviceMesh) -> dict[str, float]:
     # torch leaves Tensor.backward unannotated.
     figures["op_overhead_s"] = _seconds(lambda: leaf.mul(2.0).sum().backward(), 500) / 4  # type: ignore[no-untyped-call]
     figures["dtensor_op_overhead_s"] = _dtensor_op_seconds(leaf, mesh)
+    figures["optimizer_tensor_s"] = _optimizer_tensor_seconds()
+    figures["dtensor_optimizer_tensor_s"] = _optimizer_tensor_seconds(mesh)
     return figures
 
 
@@ -306,7 +327,14 @@ def measure_cpu(world_size: int = 2) -> dict[str, float]:
     for key in ("fp32_flops", "bf16_flops", "memory_bandwidth"):
         figures[f"one_core_{key}"] = figures[key]
         figures[key] *= share
-    for key in ("fp32_matmul_overhead_s", "bf16_matmul_overhead_s", "op_overhead_s", "dtensor_op_overhead_s"):
+    for key in (
+        "fp32_matmul_overhead_s",
+        "bf16_matmul_overhead_s",
+        "op_overhead_s",
+        "dtensor_op_overhead_s",
+        "optimizer_tensor_s",
+        "dtensor_optimizer_tensor_s",
+    ):
         figures[f"one_core_{key}"] = figures[key]
         figures[key] /= share
     figures["cores"] = float(cores)

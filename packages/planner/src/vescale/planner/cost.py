@@ -23,7 +23,8 @@ From the per-op records of the meta-tensor forward (:mod:`vescale.planner.op_cos
   **pipeline_p2p**: two activation sends per micro-batch;
 * **data_parallel**: what the runtime does not hide: the gradient all-reduce (ZeRO-0/1) or
   reduce-scatter (ZeRO-2; an in-place all-reduce where that is cheaper, as on gloo, whose
-  reduce-scatter all-reduces a copy) beyond the last micro-batch's backward it overlaps with, plus
+  reduce-scatter all-reduces a copy) beyond the last micro-batch's backward it overlaps with
+  (all of it under a pipeline, which reduces a stage's gradients after the schedule), plus
   ZeRO-1/2's parameter publish after the step (an all-gather; on gloo one in-place broadcast
   per chunk owner, at the profile's ``zero_publish_factor``); ZeRO-3's per-block all-gathers and
   reduce-scatters beyond the block compute they are prefetched under (every micro-batch;
@@ -39,7 +40,8 @@ From the per-op records of the meta-tensor forward (:mod:`vescale.planner.op_cos
   gradients are reduced over the batch ranks ``dp x ep`` (the experts' over ``dp`` only: their
   traffic is counted on the wider ring, an overestimate);
 * **optimizer**: AdamW reads and writes ~28 bytes per local fp32 element (32 with bf16
-  masters), memory-bound, plus the profile's eager ops per parameter tensor (CPU: ~12).
+  masters), memory-bound, plus the host time of its per-tensor loop per parameter tensor
+  (:meth:`HardwareProfile.optimizer_tensor_seconds`; 0 on CUDA's multi-tensor kernels).
 
 Collectives are alpha-beta rings on the links their axis spans (:mod:`._collectives`), each
 plus the profile's wait for its last member (ranks sharing cores arrive a time slice apart). Model
@@ -354,16 +356,13 @@ def predict_step(
             hardware.overlaps_communication,
         ) + (1 if pp > 1 or microbatches == 1 else 2) * all_reduce_seconds(dp_link, _LOSS_REDUCTION_BYTES)
         local = elements / (dp * ep if choices.zero_stage >= 1 else 1)
-        # Memory-bound, plus the host time of AdamW's per-tensor loop where it has one (CPU),
-        # under DTensor with tensor parallelism.
+        # Memory-bound, plus the host time of AdamW's per-tensor loop where it has one (CPU). It
+        # steps DTensors only under ZeRO-3 (FSDP2's shards): vescale.doptim gives it plain local
+        # master tensors under ZeRO-0-2, tensor parallel or not.
         tensors = sum(p.parameter_tensors for p in members)
-        op_seconds = (hardware.dtensor_op_overhead_us if tp > 1 else hardware.op_overhead_us) * 1e-6
-        optimizer = (
-            local
-            * _ADAMW_BYTES[choices.mixed_precision]
-            / (hardware.memory_bandwidth * hardware.memory_efficiency)
-            + tensors * hardware.optimizer_ops_per_tensor * op_seconds
-        )
+        optimizer = local * _ADAMW_BYTES[choices.mixed_precision] / (
+            hardware.memory_bandwidth * hardware.memory_efficiency
+        ) + tensors * hardware.optimizer_tensor_seconds(dtensor=choices.zero_stage == 3)
         parts_of_stage = {
             "compute": microbatches * compute,
             "recompute": microbatches * rerun,
@@ -441,8 +440,13 @@ def _data_parallel_seconds(
             # Reduce-scattered, or all-reduced in place where the backend's reduce-scatter is an
             # all-reduce of a copy (gloo): vescale.doptim takes the cheaper.
             gradients = min(gradients, reduce_scatter_seconds(link, parameter_bytes))
-        bucket_share = min(1.0, 25 * 2**20 / max(parameter_bytes, 1.0))
-        exposed = max(gradients - last_backward, gradients * bucket_share)
+        if choices.pipeline_parallel_size > 1:
+            # vescale.dpipe holds the reduction back through the schedule (DDP's no_sync) and
+            # reduces each gradient once after it: no backward is left to hide it under.
+            exposed = gradients
+        else:
+            bucket_share = min(1.0, 25 * 2**20 / max(parameter_bytes, 1.0))
+            exposed = max(gradients - last_backward, gradients * bucket_share)
         if zero >= 1:
             exposed += zero_publish_seconds(link, parameter_bytes)
         return exposed

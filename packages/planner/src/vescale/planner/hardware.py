@@ -94,7 +94,17 @@ class HardwareProfile:
     """Whether ZeRO-3's prefetched gathers run beside compute (GPU streams: yes; CPU ranks: no)."""
     optimizer_ops_per_tensor: float = 0.0
     """The eager ops AdamW runs per parameter tensor: 0 where its multi-tensor kernels step them all
-    at once, as on CUDA; ~12 in its per-tensor loop on CPU."""
+    at once, as on CUDA; ~12 in its per-tensor loop on CPU. Priced at ``op_overhead_us`` each where
+    the profile has no measured ``optimizer_tensor_us``."""
+    optimizer_tensor_us: float | None = None
+    """Host microseconds AdamW's per-tensor loop spends on one parameter tensor beyond its memory
+    traffic, measured (``calibrate_cpu``: a step of many tiny tensors, under ``no_grad`` as the
+    optimizer runs, where an op costs a fifth of one autograd records); ``None``:
+    ``optimizer_ops_per_tensor * op_overhead_us``."""
+    dtensor_optimizer_tensor_us: float | None = None
+    """The same for DTensor parameters (ZeRO-3's FSDP2 shards; under ZeRO-0-2 ``vescale.doptim``
+    steps plain local tensors, tensor parallel or not); ``None``:
+    ``optimizer_ops_per_tensor * dtensor_op_overhead_us``."""
     redistribute_overhead_us: float = 0.0
     """Host microseconds a DTensor redistribution adds to each tensor-parallel collective (its
     planning, copies and autograd wrapping), measured on CPU ranks; 0 where the host runs ahead
@@ -186,6 +196,20 @@ class HardwareProfile:
         )
         half_dim = self.matmul_half_dim if self.attention_half_dim is None else self.attention_half_dim
         return efficiency, half_dim
+
+    def optimizer_tensor_seconds(self, dtensor: bool) -> float:
+        """Host seconds AdamW's per-tensor loop spends on one parameter tensor (``dtensor``: a
+        DTensor, as ZeRO-3's are); 0 where a multi-tensor kernel steps them all.
+
+        Example::
+
+            load_hardware("h100-80gb").optimizer_tensor_seconds(dtensor=False)   # 0.0
+        """
+        measured = self.dtensor_optimizer_tensor_us if dtensor else self.optimizer_tensor_us
+        if measured is not None:
+            return measured * 1e-6
+        op_us = self.dtensor_op_overhead_us if dtensor else self.op_overhead_us
+        return self.optimizer_ops_per_tensor * op_us * 1e-6
 
     def link_bandwidth(self, crosses_nodes: bool) -> float:
         """Bytes/s per device a ring collective reaches on the links it uses."""
@@ -324,6 +348,8 @@ def calibrate_cpu(world_size: int = 2) -> HardwareProfile:
         dtensor_op_overhead_us=measured["dtensor_op_overhead_s"] * 1e6,
         overlaps_communication=False,
         optimizer_ops_per_tensor=12.0,
+        optimizer_tensor_us=measured["optimizer_tensor_s"] * 1e6,
+        dtensor_optimizer_tensor_us=measured["dtensor_optimizer_tensor_s"] * 1e6,
         ranks_per_core=max(1.0, world_size / measured["cores"]),
         all_gather_factor=measured["all_gather_factor"],
         reduce_scatter_factor=measured["reduce_scatter_factor"],

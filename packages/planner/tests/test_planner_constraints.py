@@ -78,6 +78,10 @@ def test_nested_dicts_read_as_dotted_keys_and_unset_keys_stay_with_the_planner()
             "pipeline_parallel.size=1 has no",
         ),
         ({"sequence_parallel": True, "tensor_parallel.size": 1}, "tensor_parallel.size=1; raise"),
+        (
+            {"pipeline_parallel.size": 2, "zero.stage": 3},
+            "zero.stage=3 with pipeline_parallel.size=2: ZeRO-3 under a pipeline is not supported",
+        ),
         ({"tensor_parallel.size": 16, "devices_per_node": 8}, "larger than devices_per_node=8"),
         ({"global_batch_size": 10, "data_parallel.size": 4, "micro_batch_size": 1}, "does not split over"),
         ({"global_batch_size": 16, "data_parallel.size": 4, "micro_batch_size": 3}, "per-rank share 4"),
@@ -102,3 +106,15 @@ def test_world_size_check_names_the_sizes():
         Constraints.from_dict(
             {"data_parallel.size": 1, "tensor_parallel.size": 2, "pipeline_parallel.size": 2}
         ).check_world_size(8)
+
+
+def test_no_planner_proposes_zero_3_under_a_pipeline_which_the_runtime_lacks():
+    # vescale.parallelize refuses it (dpipe re-delivers gradients FSDP2's sharded parameters do
+    # not take); the searches must not choose it where memory is tight, nor the rules.
+    from vescale.planner._parallel_sizes import candidate_layout
+
+    for zero_stage, pp, expected in ((3, 2, False), (3, 1, True), (1, 2, True)):
+        layout = candidate_layout(
+            Constraints(), (1, pp, 2, 1), zero_stage, "none", "fp32", 128, {False: None}
+        )
+        assert (layout is not None) == expected, (zero_stage, pp)

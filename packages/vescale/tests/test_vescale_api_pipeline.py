@@ -14,6 +14,8 @@ adds tensor-parallel partial sums to the reordering; same bounds.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -198,3 +200,14 @@ def test_a_bf16_or_float64_model_gets_the_single_device_gradient_and_loss_under_
     worst = max(errors, key=errors.__getitem__)
     print(f"{dtype_name}: worst first-step gradient {worst} {errors[worst]:.2e}")
     assert errors[worst] < bound, (worst, errors[worst])
+
+
+def test_a_pipeline_plan_edited_to_zero_3_is_refused_before_anything_is_applied():
+    model = vescale.deferred_init(transformers.AutoModelForCausalLM.from_config, tiny_hf_config("llama"))
+    constraints = {**PIPELINE_CONSTRAINTS, "data_parallel.size": 2, "zero.stage": 1}
+    plan = json.loads(vescale.generate_plan(model, constraints, world_size=4).to_json())
+    plan["data_parallel"]["zero_stage"] = 3
+    with pytest.raises(
+        UnsupportedPlanError, match=r"ZeRO-3 under a pipeline \(pp=2, data_parallel.zero_stage=3\)"
+    ):
+        vescale.parallelize(vescale.Plan.from_json(json.dumps(plan)), model)

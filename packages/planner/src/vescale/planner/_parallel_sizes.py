@@ -106,7 +106,8 @@ def candidate_layout(
 ) -> ParallelChoices | None:
     """The choices of the candidate ``sizes = (tp, pp, dp, ep)`` with one micro-batch of 1 (the
     caller replaces the batch and schedule fields), or ``None`` where no planner tries it: ZeRO
-    over a single data-parallel rank unless the stage is constrained (it divides nothing), or
+    over a single data-parallel rank unless the stage is constrained (it divides nothing), ZeRO-3
+    under a pipeline (the runtime has none), or
     sequence parallelism asked for with ``tp`` 1. ``sharding_plans[sp]`` is the tensor-parallel
     plan with or without sequence parallelism.
 
@@ -117,6 +118,8 @@ def candidate_layout(
     """
     tp, pp, dp, ep = sizes
     if zero_stage > 0 and dp == 1 and constraints.zero_stage is None:
+        return None
+    if zero_stage == 3 and pp > 1:  # vescale.parallelize refuses it: dpipe has no ZeRO-3
         return None
     sequence_parallel = sequence_parallel_for(constraints, tp)
     if sequence_parallel is None:

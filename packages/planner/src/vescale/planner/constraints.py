@@ -190,6 +190,16 @@ class Constraints:
                 f"{len(points)} pipeline_parallel.split_points make {len(points) + 1} stages, but "
                 f"pipeline_parallel.size={self.pipeline_parallel_size}; give size - 1 split points"
             )
+        if (
+            self.zero_stage == 3
+            and self.pipeline_parallel_size is not None
+            and self.pipeline_parallel_size > 1
+        ):
+            raise ConstraintError(
+                f"zero.stage=3 with pipeline_parallel.size={self.pipeline_parallel_size}: ZeRO-3 under a "
+                "pipeline is not supported; use zero.stage 1 or 2 (each shards the optimizer state over "
+                "dp) or pipeline_parallel.size=1"
+            )
         if self.pipeline_parallel_size == 1 and (self.pipeline_parallel_schedule or points):
             raise ConstraintError(
                 "pipeline_parallel.size=1 has no stages to schedule or split; drop the pipeline_parallel "

@@ -78,6 +78,17 @@ def mesh_of(model: nn.Module) -> DeviceMesh:
     return model.mesh
 
 
+def _check_pipeline_zero(plan: Plan) -> None:
+    if isinstance(plan, Plan) and plan.pipeline is not None and plan.data_parallel.zero_stage == 3:
+        # dpipe re-delivers each stage's gradients after the schedule (vescale.dpipe.gradients);
+        # FSDP2's sharded parameters do not take them (a DTensor/Tensor mix in the first backward).
+        raise UnsupportedPlanError(
+            f"ZeRO-3 under a pipeline (pp={plan.mesh_size('pp')}, data_parallel.zero_stage=3) is not "
+            "supported; use zero.stage 1 or 2 with the pipeline (each shards the optimizer state over "
+            "dp), or ZeRO-3 without one (pipeline_parallel.size=1)"
+        )
+
+
 def _check_compile(plan: Plan, model: nn.Module) -> None:
     if isinstance(plan, Plan) and plan.mesh_size("ep") > 1 and plan.mesh_size("tp") > 1:
         # The MoE block's compiled code before the (eager) dispatch returns a view of its DTensor
@@ -318,6 +329,7 @@ def parallelize(
     """
     if compile:
         _check_compile(plan, model)
+    _check_pipeline_zero(plan)
     _check_world(plan)
     # The mesh dims are sizes only, never init_mesh's device_type keyword.
     mesh = init_mesh(**cast(dict[str, Any], _mesh_dims(plan)))

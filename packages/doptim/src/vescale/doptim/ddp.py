@@ -35,8 +35,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -153,16 +154,6 @@ def _weak_forward_pre_hook(ddp: DDP) -> Callable[..., None]:
     return disabled
 
 
-def widest_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
-    """The floating dtype of most bits among ``dtypes`` (the first of them on a tie).
-
-    Example::
-
-        widest_dtype([torch.float32, torch.bfloat16])   # torch.float32
-    """
-    return max(dtypes, key=lambda dtype: torch.finfo(dtype).bits)
-
-
 def data_parallel_of(module_or_param: nn.Module | torch.Tensor) -> DDP | None:
     """The DDP applied to a module, or to the module that owns a parameter; ``None`` if none."""
     return getattr(module_or_param, DATA_PARALLEL_ATTRIBUTE, None)
@@ -264,7 +255,9 @@ class DDP:
         self.dp_group, self.dp_size, self.dp_rank = mesh_dims_group(device_mesh, self.mesh_dims)
         self._reductions_by_dims: dict[tuple[str, ...], ReductionGroup] = {}
         self.overlap = overlap
-        grad_dtype = widest_dtype([grad_dtype, *(param.dtype for _, param in named_parameters)])
+        grad_dtype = functools.reduce(
+            torch.promote_types, (param.dtype for _, param in named_parameters), grad_dtype
+        )
         self.grad_dtype = grad_dtype
         self.deterministic = deterministic
         self.zero_stage = zero_stage

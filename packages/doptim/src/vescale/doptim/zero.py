@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vescale.doptim.buckets import Bucket, ParamSlot, local_tensor
-from vescale.doptim.ddp import DDP, widest_dtype
+from vescale.doptim.ddp import DDP
 from vescale.doptim.errors import DataParallelConfigError
 from vescale.doptim.reduction import all_gather_flat
 
@@ -88,7 +88,7 @@ def build_param_shards(ddp: DDP, *, master_dtype: torch.dtype | None) -> dict[in
         start, end = _rank_range(ddp, bucket, slot)
         flat = local_tensor(slot.param).detach().view(-1)[start:end]
         # Masters are never narrower than their parameter (a float64 model steps in float64).
-        dtype = widest_dtype([master_dtype, slot.param.dtype]) if master_dtype else slot.param.dtype
+        dtype = torch.promote_types(master_dtype, slot.param.dtype) if master_dtype else slot.param.dtype
         master = flat if dtype == flat.dtype else flat.to(dtype=dtype, copy=True)
         shards[id(slot.param)] = ParamShard(slot.fqn, slot.param, bucket, slot, start, end, master)
     return shards

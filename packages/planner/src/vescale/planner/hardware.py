@@ -347,7 +347,6 @@ def calibrate_cpu(world_size: int = 2) -> HardwareProfile:
         matmul_overhead_us=measured["fp32_matmul_overhead_s"] * 1e6,
         dtensor_op_overhead_us=measured["dtensor_op_overhead_s"] * 1e6,
         overlaps_communication=False,
-        optimizer_ops_per_tensor=12.0,
         optimizer_tensor_us=measured["optimizer_tensor_s"] * 1e6,
         dtensor_optimizer_tensor_us=measured["dtensor_optimizer_tensor_s"] * 1e6,
         ranks_per_core=max(1.0, world_size / measured["cores"]),

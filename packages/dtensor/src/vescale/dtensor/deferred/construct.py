@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from vescale.dtensor import _compat
+from vescale.dtensor.deferred.conversion import install_deferred_conversions
 from vescale.dtensor.deferred.errors import DeferredInitError
 from vescale.dtensor.deferred.record import HANDLE_ATTRIBUTE, DeferredHandle, InitRecord
 from vescale.dtensor.deferred.recorder import InitRecorder
@@ -79,4 +80,5 @@ def deferred_init(module_cls_or_fn: Callable[..., nn.Module], *args: Any, **kwar
     for _, _, _, tensor in module_tensors(module):
         if isinstance(tensor, fake_tensor) and not hasattr(tensor, HANDLE_ATTRIBUTE):
             setattr(tensor, HANDLE_ATTRIBUTE, DeferredHandle(record, recorder.ref(tensor), position))
+    install_deferred_conversions(module)
     return module

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial
 
 from vescale.dtensor.deferred.construct import module_tensors
+from vescale.dtensor.deferred.conversion import drop_deferred_conversions
 from vescale.dtensor.deferred.errors import DeferredPlacementError, NotDeferredError
 from vescale.dtensor.deferred.record import deferred_handle, is_deferred
 from vescale.dtensor.deferred.replay import release_freed_memory, replay_tensor
@@ -95,7 +96,11 @@ def materialize_tensor(
         # Checked before the replay, so a bad plan fails before any work.
         _check_placements(fqn, handle.ref.size, device_mesh, mesh_placements)
     full = replay_tensor(handle.record, handle.ref, handle.position)
+    if handle.dtype is not None and full.dtype != handle.dtype:
+        full = full.to(handle.dtype)  # the module was converted after construction
     if device_mesh is None:
+        if handle.device is not None and full.device != handle.device:
+            full = full.to(handle.device)
         return full if _owns_its_storage(full) else full.clone()
     sharded = distribute_tensor(full, device_mesh, mesh_placements, src_data_rank=None)
     local = sharded.to_local()
@@ -166,4 +171,5 @@ def materialize_module(
                 setattr(owner, attribute, real)
         del deferred, real
         release_freed_memory()
+    drop_deferred_conversions(module)
     return module

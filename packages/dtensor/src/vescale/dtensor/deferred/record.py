@@ -122,11 +122,15 @@ class InitRecord:
 
 @dataclass(frozen=True)
 class DeferredHandle:
-    """What a deferred tensor needs to be materialised: its record, its view, and where construction ended."""
+    """What a deferred tensor needs to be materialised: its record, its view, where construction
+    ended, and the dtype and device a conversion of the module (``model.to(torch.bfloat16)``)
+    gave it since (``None``: as recorded; :mod:`.conversion`)."""
 
     record: InitRecord
     ref: TensorRef
     position: int
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None
 
 
 def deferred_handle(tensor: torch.Tensor, name: str = "tensor") -> DeferredHandle:

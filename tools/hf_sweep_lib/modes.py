@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hf_sweep_lib.cells import Cell, judge_losses, judge_step
+from hf_sweep_lib.cells import Cell, error_line, judge_losses, judge_step
 from hf_sweep_lib.parallelize_modes import (
     CONSTRAINTS,
     PARALLELIZE_WORLD_SIZES,
@@ -69,6 +69,10 @@ class Mode:
     world_size: int
     payload: Callable[[References], Any]
     judge: Callable[[list[dict[str, Any]], References], Cell]
+    # A silently wrong cell's float64 rerun (the same case with the model in float64; None where
+    # the mode has none or the model refuses float64), and its judge, given the float32 cell.
+    float64_payload: Callable[[References], Any | None] | None = None
+    judge_float64: Callable[[list[dict[str, Any]], References, Cell], Cell] | None = None
 
 
 def _first_error(results: list[dict[str, Any]]) -> Cell | None:
@@ -159,7 +163,30 @@ def _parallelize_mode(name: str) -> Mode:
             exact=None if exact is None else exact[resumed],
         )
 
-    return Mode(name, PARALLELIZE_WORLD_SIZES[name], payload, judge)
+    def float64_payload(references: References) -> dict[str, Any] | None:
+        if references.exact_losses() is None:
+            return None
+        return {**payload(references), "dtype": "float64"}
+
+    def judge_float64(results: list[dict[str, Any]], references: References, float32: Cell) -> Cell:
+        """The float64 run against float64 training, with the float32 bounds: rounding is gone
+        from both sides, and a placement or reduction bug moves a loss as much as in float32."""
+        exact = references.exact_losses()
+        assert exact is not None  # float64_payload sends no case without it
+        cell = _first_error(results)
+        if cell is None:
+            seconds = max(result["seconds"] for result in results)
+            cell = _ranks_disagree(results, "losses", seconds) or _judge_against(
+                results[0], exact, None, seconds
+            )
+        seconds = float32.seconds + cell.seconds
+        details = {"float32": float32.text, "float32_details": float32.details, "float64": cell.details}
+        if cell.status == "pass":
+            return Cell("pass", "✔ float64", seconds, details)
+        found = cell.text.removeprefix("✘ silently wrong: ")
+        return Cell("silent", error_line(f"{float32.text}; float64 rerun: {found}"), seconds, details)
+
+    return Mode(name, PARALLELIZE_WORLD_SIZES[name], payload, judge, float64_payload, judge_float64)
 
 
 MODES: dict[str, Mode] = {name: _tp_mode(name, *setting) for name, setting in TP_MODES.items()}

@@ -112,12 +112,16 @@ def exact_reference_losses(arch: str) -> list[float] | None:
         return None
 
 
-def _build(arch: str, constraints: dict[str, Any]):
+def _build(arch: str, constraints: dict[str, Any], dtype_name: str | None = None):
+    """The RFC's calls; ``dtype_name`` (``"float64"``) converts the deferred model first, as the
+    float64 reference converts its model (:func:`reference_losses`)."""
     import vescale
     from vescale.dtensor.testing.models.hf_architectures import build_tiny_causal_lm
 
     vescale.manual_seed(0)
     model = vescale.deferred_init(build_tiny_causal_lm, arch, None)
+    if dtype_name is not None:
+        model = model.to(getattr(torch, dtype_name))
     plan = vescale.generate_plan(model, {**constraints, "global_batch_size": GLOBAL_BATCH})
     model, optimizer, _, loader = vescale.parallelize(plan, model, optimizer_fn, None, _dataset())
     return plan, model, optimizer, loader
@@ -138,7 +142,7 @@ def _train(model, optimizer, loader, steps: int) -> list[float]:
 
 def parallelize_on_rank(arch: str, payload: dict[str, Any]) -> dict[str, Any]:
     """On each rank: the RFC's script under ``payload["constraints"]``; this rank's losses."""
-    plan, model, optimizer, loader = _build(arch, payload["constraints"])
+    plan, model, optimizer, loader = _build(arch, payload["constraints"], payload.get("dtype"))
     return {"losses": _train(model, optimizer, loader, STEPS), "mesh": dict(plan.mesh)}
 
 
@@ -151,12 +155,12 @@ def checkpoint_on_rank(arch: str, payload: dict[str, Any]) -> dict[str, Any]:
     if dist.get_rank() == 0:  # a case run again (after its batch broke) saves anew
         shutil.rmtree(payload["path"], ignore_errors=True)
     dist.barrier()
-    plan, model, optimizer, loader = _build(arch, CONSTRAINTS["dp2xtp2-zero3"])
+    plan, model, optimizer, loader = _build(arch, CONSTRAINTS["dp2xtp2-zero3"], payload.get("dtype"))
     saved_losses = _train(model, optimizer, loader, SAVE_AFTER)
     vescale.save(
         payload["path"], {"plan": plan, "model": model, "optimizer": optimizer, "data_loader": loader}
     )
-    plan, model, optimizer, loader = _build(arch, CONSTRAINTS["ckpt-load"])
+    plan, model, optimizer, loader = _build(arch, CONSTRAINTS["ckpt-load"], payload.get("dtype"))
     vescale.load(
         payload["path"], {"plan": plan, "model": model, "optimizer": optimizer, "data_loader": loader}
     )

@@ -93,7 +93,7 @@ def _escape(text: str) -> str:
 
 def _cell_markdown(text: str) -> str:
     """A cell's text as markdown: an error line in a code span, so that no part of it renders."""
-    if text == "✔":
+    if text in ("✔", "✔ float64"):
         return text
     return "`" + _escape(text).replace("`", "'") + "`"
 
@@ -161,6 +161,11 @@ def write_markdown(record: dict[str, Any], path: str) -> None:
         "is judged again against float64 training, its bound widened by 4× the float32 reference's "
         "own error up to the next step (training amplifies rounding exponentially on an "
         "ill-conditioned tiny model: Gemma-4's float32 reference is 3.2e-4 from float64 by step 8). "
+        "Such a cell still off runs again in float64 (the deferred model converted with "
+        "`.to(torch.float64)`, as the float64 reference is) and is judged against float64 training "
+        "with the same bounds: `✔ float64` where it matches (float32 rounding, amplified by "
+        "training, was the whole difference), `✘ silently wrong: …; float64 rerun: …` where it is "
+        "off there too. "
         "A cell is ✔, `✘ silently wrong: …` (no error, wrong numbers) or the error's first line.",
         "",
         "Modes: `tp2`, `tp2-sp` (sequence parallel), `tp4`: one step under the automatic plan on "

@@ -28,6 +28,41 @@ def _print_cell(arch: str, mode: str, cell: Cell) -> None:
     print(f"{arch:28s} {mode:14s} {cell.seconds:6.1f}s {cell.text}", flush=True)
 
 
+def _rerun_in_float64(
+    cells: dict[str, dict[str, Cell]],
+    references: dict[str, References],
+    modes: list[str],
+    world_size: int,
+    pool: Any,
+    case_timeout_s: float,
+    rank_function: Callable,
+) -> None:
+    """Run each silently wrong cell of ``world_size`` again in float64, where its mode can, and
+    replace it by that run's verdict (:class:`hf_sweep_lib.modes.Mode`'s ``judge_float64``): a
+    float32 difference that training amplified past the bound is rounding where the float64
+    run matches float64 training, a bug where it does not."""
+    reruns = []
+    for arch, arch_cells in cells.items():
+        for mode, cell in arch_cells.items():
+            if cell.status != "silent" or mode not in modes or MODES[mode].world_size != world_size:
+                continue
+            make_payload = MODES[mode].float64_payload
+            payload = None if make_payload is None else make_payload(references[arch])
+            if payload is not None:
+                reruns.append((mode, arch, payload))
+    if not reruns:
+        return
+    outcomes = run_batch(pool, world_size, reruns, case_timeout_s, rank_function)
+    for (mode, arch, _), outcome in zip(reruns, outcomes, strict=True):
+        judge = MODES[mode].judge_float64
+        assert judge is not None
+        float32 = cells[arch][mode]
+        if isinstance(outcome, Cell):  # a hang or a crash of the rerun: the float32 verdict stands
+            float32.details["float64"] = outcome.text
+        else:
+            cells[arch][mode] = judge(outcome, references[arch], float32)
+
+
 def run_architectures(
     archs: list[str],
     modes: list[str],
@@ -65,10 +100,13 @@ def run_architectures(
                     cells[arch][mode] = Cell.from_error(error)
         outcomes = run_batch(pool, world_size, cases, case_timeout_s, rank_function)
         for (mode, arch, _), outcome in zip(cases, outcomes, strict=True):
-            cell = outcome if isinstance(outcome, Cell) else MODES[mode].judge(outcome, references[arch])
-            cells[arch][mode] = cell
+            cells[arch][mode] = (
+                outcome if isinstance(outcome, Cell) else MODES[mode].judge(outcome, references[arch])
+            )
+        _rerun_in_float64(cells, references, modes, world_size, pool, case_timeout_s, rank_function)
+        for mode, arch, _ in cases:
             if report is not None:
-                report(arch, mode, cell)
+                report(arch, mode, cells[arch][mode])
     ordered = {
         arch: {mode: arch_cells[mode] for mode in modes if mode in arch_cells}
         for arch, arch_cells in cells.items()

@@ -20,6 +20,7 @@ failure, and the entry is removed.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -133,3 +134,52 @@ def test_a_near_zero_first_loss_does_not_widen_the_later_steps_bounds():
     assert judge_losses(reference, reference).status == "pass"
     off = [*reference[:2], reference[2] * (1 + 3e-4), reference[3]]
     assert judge_losses(off, reference).status == "silent"
+
+
+def test_a_silently_wrong_parallelize_cell_is_decided_by_its_float64_rerun():
+    """XLM's dp2 x tp2 ZeRO-3 run is 1.3e-3 off float32 training by step 5 on an AVX2 CPU, and
+    9e-10 off float64 training when it runs in float64 itself: training amplified float32
+    rounding. The sweep runs such a cell again in float64 and judges it with the same bounds:
+    a match passes (``✔ float64``); a 1% error, which a placement bug makes in either precision,
+    stays silently wrong and names both runs' findings."""
+    from hf_sweep_lib.cells import Cell
+    from hf_sweep_lib.modes import References
+    from hf_sweep_lib.parallelize_modes import STEPS
+    from hf_sweep_lib.runner import _rerun_in_float64
+
+    exact = [4.0 + 0.5 * step for step in range(STEPS)]
+    references = {}
+    for arch in ("rounding", "bug", "no-float64"):
+        references[arch] = References(arch)
+        references[arch]._cache["losses"] = [loss * (1 + 1e-6) for loss in exact]
+        references[arch]._cache["exact_losses"] = None if arch == "no-float64" else exact
+    sent = []
+
+    class RanksInFloat64:
+        """Stands in for the rank pool: every rank returns the float64 run's losses of each case."""
+
+        def run(self, function, world_size, args, kwargs, **options):
+            cases = args[0]
+            sent.extend(cases)
+            losses = {"rounding": exact, "bug": [loss * 1.01 for loss in exact]}
+            return [
+                [{"losses": losses[arch], "seconds": 1.0, "rank": rank} for _, arch, _ in cases]
+                for rank in range(world_size)
+            ]
+
+    float32_text = "✘ silently wrong: loss of step 5 rel 1.3e-03"
+    cells = {arch: {"pp2": Cell("silent", float32_text, 2.0)} for arch in references}
+    cells["rounding"]["tp2"] = Cell("silent", float32_text, 2.0)  # a TP mode has no rerun
+    _rerun_in_float64(cells, references, ["pp2", "tp2"], 2, RanksInFloat64(), 60.0, print)
+
+    assert [(mode, arch, payload["dtype"]) for mode, arch, payload in sent] == [
+        ("pp2", "rounding", "float64"),
+        ("pp2", "bug", "float64"),
+    ]
+    assert (cells["rounding"]["pp2"].status, cells["rounding"]["pp2"].text) == ("pass", "✔ float64")
+    assert cells["rounding"]["pp2"].details["float32"] == float32_text
+    bug = cells["bug"]["pp2"]
+    assert bug.status == "silent"
+    assert re.fullmatch(re.escape(float32_text) + r"; float64 rerun: loss of step \d rel 1\.0e-02", bug.text)
+    assert cells["no-float64"]["pp2"].text == float32_text
+    assert cells["rounding"]["tp2"].text == float32_text

@@ -166,6 +166,47 @@ def test_materialising_a_module_not_built_deferred_names_it_and_the_fix():
         materialize_tensor(nn.Linear(2, 2).bias, fqn="bias")
 
 
+def test_an_in_place_change_after_construction_is_an_error_naming_the_parameter_and_the_fix():
+    # It used to be dropped silently: the record holds the constructor's ops only, and the
+    # materialised weight was the constructor's, not the zeros eager code would have.
+    torch.manual_seed(SEED)
+    model = deferred_init(lambda: nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
+    nn.init.zeros_(model[1].weight)
+    with pytest.raises(
+        DeferredInitError,
+        match=r"^1\.weight \(shape \(2, 3\)\) was changed in place after deferred_init.*lambda",
+    ):
+        materialize_module(model)
+    assert all(is_deferred(tensor) for tensor in model.parameters()), "nothing is half-materialised"
+
+
+def test_an_initialisation_inside_the_function_given_to_deferred_init_is_recorded():
+    def initialised() -> nn.Module:
+        module = nn.Linear(4, 3)
+        nn.init.zeros_(module.weight)
+        with torch.no_grad():
+            module.bias.normal_()
+        return module
+
+    torch.manual_seed(SEED)
+    eager = initialised()
+    torch.manual_seed(SEED)
+    model = materialize_module(deferred_init(initialised))
+    assert torch.equal(model.weight, eager.weight) and torch.equal(model.bias, eager.bias)
+
+
+def test_a_buffer_a_forward_updates_in_place_still_materialises_its_constructed_value():
+    # The planner traces a forward on the deferred model: BatchNorm updates its statistics then.
+    torch.manual_seed(SEED)
+    eager = nn.BatchNorm1d(3)
+    torch.manual_seed(SEED)
+    model = deferred_init(nn.BatchNorm1d, 3)
+    model(torch.randn(4, 3))
+    materialize_module(model)
+    assert torch.equal(model.running_mean, eager.running_mean)
+    assert torch.equal(model.num_batches_tracked, eager.num_batches_tracked)
+
+
 def test_deferred_init_of_a_function_returning_no_module_is_a_typed_error():
     with pytest.raises(
         DeferredInitError, match=r"deferred_init\(.zeros.\) returned a FakeTensor; pass a module class"

@@ -79,6 +79,7 @@ def deferred_init(module_cls_or_fn: Callable[..., nn.Module], *args: Any, **kwar
     position = len(record.ops)
     for _, _, _, tensor in module_tensors(module):
         if isinstance(tensor, fake_tensor) and not hasattr(tensor, HANDLE_ATTRIBUTE):
-            setattr(tensor, HANDLE_ATTRIBUTE, DeferredHandle(record, recorder.ref(tensor), position))
+            handle = DeferredHandle(record, recorder.ref(tensor), position, version=tensor._version)
+            setattr(tensor, HANDLE_ATTRIBUTE, handle)
     install_deferred_conversions(module)
     return module

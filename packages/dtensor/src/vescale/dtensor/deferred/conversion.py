@@ -83,7 +83,9 @@ def convert_deferred_tensor(tensor: torch.Tensor, fn: Callable[[torch.Tensor], A
     tensor.data = applied
     if device_changed:
         tensor.fake_device = applied.device  # type: ignore[attr-defined]  # FakeTensor's own attribute
-    converted = dataclasses.replace(handle, dtype=applied.dtype, device=applied.device)
+    converted = dataclasses.replace(
+        handle, dtype=applied.dtype, device=applied.device, version=tensor._version
+    )
     setattr(tensor, HANDLE_ATTRIBUTE, converted)
 
 

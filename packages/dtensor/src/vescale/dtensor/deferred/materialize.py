@@ -24,7 +24,7 @@ from torch.distributed.tensor import Partial
 
 from vescale.dtensor.deferred.construct import module_tensors
 from vescale.dtensor.deferred.conversion import drop_deferred_conversions
-from vescale.dtensor.deferred.errors import DeferredPlacementError, NotDeferredError
+from vescale.dtensor.deferred.errors import DeferredInitError, DeferredPlacementError, NotDeferredError
 from vescale.dtensor.deferred.record import deferred_handle, is_deferred
 from vescale.dtensor.deferred.replay import release_freed_memory, replay_tensor
 from vescale.dtensor.placements import (
@@ -37,7 +37,7 @@ from vescale.dtensor.placements import (
     to_vescale_placements,
 )
 
-__all__ = ["PlacementSpec", "materialize_module", "materialize_tensor"]
+__all__ = ["PlacementSpec", "check_unchanged_since_construction", "materialize_module", "materialize_tensor"]
 
 # Where a tensor goes: a mesh and one placement per mesh dim, or None for a plain local tensor.
 PlacementSpec = tuple[DeviceMesh, Sequence[AnyPlacement]] | None
@@ -76,6 +76,28 @@ def _owns_its_storage(tensor: torch.Tensor) -> bool:
     return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 
 
+def check_unchanged_since_construction(tensor: torch.Tensor, fqn: str) -> None:
+    """Raise :class:`DeferredInitError` where the deferred parameter ``tensor`` was changed in place
+    after ``deferred_init`` returned (an ``nn.init`` call or a ``copy_``): the record holds only
+    the constructor's ops, so materialising would silently drop the change. Buffers are not
+    checked: a forward updates some in place (BatchNorm's statistics, in the planner's trace),
+    and their constructed values are the ones to materialise.
+
+    Example::
+
+        check_unchanged_since_construction(model.lm_head.weight, "lm_head.weight")
+    """
+    handle = deferred_handle(tensor, fqn)
+    if isinstance(tensor, nn.Parameter) and tensor._version != handle.version:
+        raise DeferredInitError(
+            f"{fqn} (shape {tuple(tensor.shape)}) was changed in place after deferred_init returned "
+            "(an nn.init call, a fill_ or copy_ on it), which a deferred parameter cannot record: the "
+            "change would be lost. Make it part of construction, "
+            "deferred_init(lambda: initialise(Model(config))), or change the parameter after "
+            "vescale.parallelize (or materialize_module)"
+        )
+
+
 def materialize_tensor(
     tensor: torch.Tensor,
     device_mesh: DeviceMesh | None = None,
@@ -91,6 +113,7 @@ def materialize_tensor(
         bias = materialize_tensor(model.lm_head.bias)   # a plain CPU tensor
     """
     handle = deferred_handle(tensor, fqn)
+    check_unchanged_since_construction(tensor, fqn)
     mesh_placements: Sequence[AnyPlacement] = placements or ()
     if device_mesh is not None:
         # Checked before the replay, so a bad plan fails before any work.
@@ -141,6 +164,8 @@ def materialize_module(
     tensors: dict[int, torch.Tensor] = {}
     for fqn, owner, attribute, tensor in module_tensors(module):
         if is_deferred(tensor):
+            # Every tensor is checked before any is materialised: an error leaves the module as it was.
+            check_unchanged_since_construction(tensor, fqn)
             by_tensor.setdefault(id(tensor), []).append((fqn, owner, attribute))
             tensors[id(tensor)] = tensor
     if not tensors:

@@ -124,13 +124,16 @@ class InitRecord:
 class DeferredHandle:
     """What a deferred tensor needs to be materialised: its record, its view, where construction
     ended, and the dtype and device a conversion of the module (``model.to(torch.bfloat16)``)
-    gave it since (``None``: as recorded; :mod:`.conversion`)."""
+    gave it since (``None``: as recorded; :mod:`.conversion`). ``version`` is the tensor's
+    in-place version counter then: an in-place op after construction (``nn.init.zeros_``, a
+    ``copy_``) bumps it, and the record does not hold that op."""
 
     record: InitRecord
     ref: TensorRef
     position: int
     dtype: torch.dtype | None = None
     device: torch.device | None = None
+    version: int = 0
 
 
 def deferred_handle(tensor: torch.Tensor, name: str = "tensor") -> DeferredHandle:

@@ -174,10 +174,53 @@ def test_an_in_place_change_after_construction_is_an_error_naming_the_parameter_
     nn.init.zeros_(model[1].weight)
     with pytest.raises(
         DeferredInitError,
-        match=r"^1\.weight \(shape \(2, 3\)\) was changed in place after deferred_init.*lambda",
+        match=r"^1\.weight \(shape \(2, 3\)\) was changed in place .*after deferred_init.*lambda",
     ):
         materialize_module(model)
     assert all(is_deferred(tensor) for tensor in model.parameters()), "nothing is half-materialised"
+
+
+def test_a_parameter_replaced_through_data_after_construction_is_an_error_and_inside_it_is_recorded():
+    # resize_token_embeddings swaps the new weight in through ``.data``: no version bump, and
+    # the old code materialised the constructor's 64 rows where eager code has 72.
+    import transformers
+
+    from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
+
+    def resized() -> nn.Module:
+        model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config("llama"))
+        model.resize_token_embeddings(72, mean_resizing=False)
+        return model
+
+    torch.manual_seed(SEED)
+    model = deferred_init(transformers.AutoModelForCausalLM.from_config, tiny_hf_config("llama"))
+    model.resize_token_embeddings(72, mean_resizing=False)
+    # The resize builds a new, real lm_head outside the record; the deferred rest stays deferred.
+    deferred = [name for name, tensor in model.named_parameters() if is_deferred(tensor)]
+    assert "model.embed_tokens.weight" in deferred
+    with pytest.raises(
+        DeferredInitError,
+        match=r"^model\.embed_tokens\.weight \(shape \(64, \d+\)\) was replaced through \.data .*"
+        r"shape \(72, \d+\).*lambda",
+    ):
+        materialize_module(model)
+    still = [name for name, tensor in model.named_parameters() if is_deferred(tensor)]
+    assert still == deferred, "nothing is half-materialised"
+
+    torch.manual_seed(SEED)
+    eager = resized()
+    torch.manual_seed(SEED)
+    inside = materialize_module(deferred_init(resized))
+    assert inside.get_input_embeddings().weight.shape[0] == 72
+    for (name, expected), actual in zip(eager.named_parameters(), inside.parameters(), strict=True):
+        assert torch.equal(actual, expected), name
+
+    converted = deferred_init(nn.Linear, 4, 3)
+    converted.weight.data = converted.weight.data.to(torch.float64)
+    with pytest.raises(
+        DeferredInitError, match=r"^weight .*by a torch\.float64 tensor.*built as torch\.float32"
+    ):
+        materialize_module(converted)
 
 
 def test_an_initialisation_inside_the_function_given_to_deferred_init_is_recorded():

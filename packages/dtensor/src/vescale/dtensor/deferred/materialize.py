@@ -77,25 +77,37 @@ def _owns_its_storage(tensor: torch.Tensor) -> bool:
 
 
 def check_unchanged_since_construction(tensor: torch.Tensor, fqn: str) -> None:
-    """Raise :class:`DeferredInitError` where the deferred parameter ``tensor`` was changed in place
-    after ``deferred_init`` returned (an ``nn.init`` call or a ``copy_``): the record holds only
-    the constructor's ops, so materialising would silently drop the change. Buffers are not
-    checked: a forward updates some in place (BatchNorm's statistics, in the planner's trace),
-    and their constructed values are the ones to materialise.
+    """Raise :class:`DeferredInitError` where the deferred parameter ``tensor`` was changed after
+    ``deferred_init`` returned: in place (an ``nn.init`` call or a ``copy_``), or replaced through
+    ``.data`` by a tensor of another shape or dtype (``resize_token_embeddings`` does this). The
+    record holds only the constructor's ops, so materialising would silently drop the change.
+    Buffers are not checked: a forward updates some in place (BatchNorm's statistics, in the
+    planner's trace), and their constructed values are the ones to materialise.
 
     Example::
 
         check_unchanged_since_construction(model.lm_head.weight, "lm_head.weight")
     """
     handle = deferred_handle(tensor, fqn)
-    if isinstance(tensor, nn.Parameter) and tensor._version != handle.version:
-        raise DeferredInitError(
-            f"{fqn} (shape {tuple(tensor.shape)}) was changed in place after deferred_init returned "
-            "(an nn.init call, a fill_ or copy_ on it), which a deferred parameter cannot record: the "
-            "change would be lost. Make it part of construction, "
-            "deferred_init(lambda: initialise(Model(config))), or change the parameter after "
-            "vescale.parallelize (or materialize_module)"
+    if not isinstance(tensor, nn.Parameter):
+        return
+    recorded = (handle.ref.size, handle.dtype or handle.ref.dtype)
+    now = (tuple(tensor.shape), tensor.dtype)
+    if now != recorded:
+        change = (
+            f"replaced through .data (as resize_token_embeddings does) by a {now[1]} tensor of "
+            f"shape {now[0]}, where it was built as {recorded[1]}"
         )
+    elif tensor._version != handle.version:
+        change = "changed in place (an nn.init call, a fill_ or copy_ on it)"
+    else:
+        return
+    raise DeferredInitError(
+        f"{fqn} (shape {recorded[0]}) was {change} after deferred_init returned, which a deferred "
+        "parameter cannot record: the change would be lost. Make it part of construction, "
+        "deferred_init(lambda: initialise(Model(config))), or change the parameter after "
+        "vescale.parallelize (or materialize_module)"
+    )
 
 
 def materialize_tensor(

@@ -31,7 +31,6 @@ def _print_cell(arch: str, mode: str, cell: Cell) -> None:
 def _rerun_in_float64(
     cells: dict[str, dict[str, Cell]],
     references: dict[str, References],
-    modes: list[str],
     world_size: int,
     pool: Any,
     case_timeout_s: float,
@@ -44,7 +43,7 @@ def _rerun_in_float64(
     reruns = []
     for arch, arch_cells in cells.items():
         for mode, cell in arch_cells.items():
-            if cell.status != "silent" or mode not in modes or MODES[mode].world_size != world_size:
+            if cell.status != "silent" or MODES[mode].world_size != world_size:
                 continue
             make_payload = MODES[mode].float64_payload
             payload = None if make_payload is None else make_payload(references[arch])
@@ -103,7 +102,7 @@ def run_architectures(
             cells[arch][mode] = (
                 outcome if isinstance(outcome, Cell) else MODES[mode].judge(outcome, references[arch])
             )
-        _rerun_in_float64(cells, references, modes, world_size, pool, case_timeout_s, rank_function)
+        _rerun_in_float64(cells, references, world_size, pool, case_timeout_s, rank_function)
         for mode, arch, _ in cases:
             if report is not None:
                 report(arch, mode, cells[arch][mode])

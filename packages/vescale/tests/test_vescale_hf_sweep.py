@@ -170,7 +170,7 @@ def test_a_silently_wrong_parallelize_cell_is_decided_by_its_float64_rerun():
     float32_text = "✘ silently wrong: loss of step 5 rel 1.3e-03"
     cells = {arch: {"pp2": Cell("silent", float32_text, 2.0)} for arch in references}
     cells["rounding"]["tp2"] = Cell("silent", float32_text, 2.0)  # a TP mode has no rerun
-    _rerun_in_float64(cells, references, ["pp2", "tp2"], 2, RanksInFloat64(), 60.0, print)
+    _rerun_in_float64(cells, references, 2, RanksInFloat64(), 60.0, print)
 
     assert [(mode, arch, payload["dtype"]) for mode, arch, payload in sent] == [
         ("pp2", "rounding", "float64"),

@@ -55,9 +55,18 @@ def drop_deferred_conversions(module: nn.Module) -> None:
         materialize_module(model)   # calls it: model.to(...) is torch's own from here on
     """
     for submodule in module.modules():
-        own = (*submodule._parameters.values(), *submodule._buffers.values())
-        if not any(tensor is not None and is_deferred(tensor) for tensor in own):
+        if not _own_deferred(submodule):
             submodule.__dict__.pop(_APPLY, None)
+
+
+def _own_deferred(module: nn.Module) -> list[tuple[dict[str, Any], str]]:
+    """The (store, key) of each deferred parameter and buffer ``module`` itself holds."""
+    return [
+        (store, key)
+        for store in (module._parameters, module._buffers)
+        for key, tensor in store.items()
+        if tensor is not None and is_deferred(tensor)
+    ]
 
 
 def convert_deferred_tensor(tensor: torch.Tensor, fn: Callable[[torch.Tensor], Any], where: str) -> None:
@@ -98,12 +107,7 @@ def _apply_deferred(
     module: nn.Module, prefix: str, fn: Callable[[torch.Tensor], Any], recurse: bool = True
 ) -> nn.Module:
     stores: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
-    deferred = [
-        (store, key)
-        for store in stores
-        for key, tensor in store.items()
-        if tensor is not None and is_deferred(tensor)
-    ]
+    deferred = _own_deferred(module)
     if not deferred:
         # Nothing deferred here any more: the class's own _apply (FSDP2's, an RNN's) from now on.
         module.__dict__.pop(_APPLY, None)

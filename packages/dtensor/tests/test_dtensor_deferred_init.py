@@ -223,6 +223,35 @@ def test_a_parameter_replaced_through_data_after_construction_is_an_error_and_in
         materialize_module(converted)
 
 
+def test_reading_deferred_values_after_construction_says_where_it_works_and_inside_it_is_recorded():
+    # resize_token_embeddings' default draws the new rows from the old rows' mean and
+    # covariance: torch used to raise an opaque DataDependentOutputException here.
+    import transformers
+
+    from vescale.dtensor.deferred import DeferredValueReadError
+    from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
+
+    def resized() -> nn.Module:
+        model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config("llama"))
+        model.resize_token_embeddings(72)
+        return model
+
+    model = deferred_init(transformers.AutoModelForCausalLM.from_config, tiny_hf_config("llama"))
+    with pytest.raises(DeferredValueReadError, match=r"_local_scalar_dense.* inside the function given to"):
+        model.resize_token_embeddings(72)
+    with pytest.raises(DeferredInitError, match=r"resize_token_embeddings\(n\).*vescale\.parallelize"):
+        deferred_init(nn.Linear, 4, 3).weight.sum().item()
+    with pytest.raises(DeferredValueReadError, match=r"nonzero"):
+        deferred_init(nn.Linear, 4, 3).weight.nonzero()
+
+    torch.manual_seed(SEED)
+    eager = resized()
+    torch.manual_seed(SEED)
+    inside = materialize_module(deferred_init(resized))
+    for (name, expected), actual in zip(eager.named_parameters(), inside.parameters(), strict=True):
+        assert torch.equal(actual, expected), name
+
+
 def test_an_initialisation_inside_the_function_given_to_deferred_init_is_recorded():
     def initialised() -> nn.Module:
         module = nn.Linear(4, 3)

@@ -18,11 +18,13 @@ from vescale.dtensor.deferred.construct import deferred_init, module_tensors
 from vescale.dtensor.deferred.errors import DeferredInitError, DeferredPlacementError, NotDeferredError
 from vescale.dtensor.deferred.materialize import PlacementSpec, materialize_module, materialize_tensor
 from vescale.dtensor.deferred.record import DeferredHandle, InitRecord, RecordedOp, TensorRef, is_deferred
+from vescale.dtensor.deferred.value_reads import DeferredValueReadError
 
 __all__ = [
     "DeferredHandle",
     "DeferredInitError",
     "DeferredPlacementError",
+    "DeferredValueReadError",
     "InitRecord",
     "NotDeferredError",
     "PlacementSpec",

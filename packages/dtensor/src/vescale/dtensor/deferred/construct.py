@@ -27,6 +27,7 @@ from vescale.dtensor.deferred.conversion import install_deferred_conversions
 from vescale.dtensor.deferred.errors import DeferredInitError
 from vescale.dtensor.deferred.record import HANDLE_ATTRIBUTE, DeferredHandle, InitRecord
 from vescale.dtensor.deferred.recorder import InitRecorder
+from vescale.dtensor.deferred.value_reads import deferred_fake_mode
 
 __all__ = ["deferred_init", "module_tensors"]
 
@@ -66,7 +67,7 @@ def deferred_init(module_cls_or_fn: Callable[..., nn.Module], *args: Any, **kwar
         materialize_module(model)
     """
     record = InitRecord()
-    fake_mode = _compat.fake_tensor_mode_class()(allow_non_fake_inputs=True)
+    fake_mode = deferred_fake_mode()
     recorder = InitRecorder(record, fake_mode)
     with fake_mode, recorder:
         module = module_cls_or_fn(*args, **kwargs)

@@ -99,14 +99,15 @@ def check_unchanged_since_construction(tensor: torch.Tensor, fqn: str) -> None:
             f"shape {now[0]}, where it was built as {recorded[1]}"
         )
     elif tensor._version != handle.version:
-        change = "changed in place (an nn.init call, a fill_ or copy_ on it)"
+        change = "changed in place (an nn.init call, a fill_ or copy_ on it, load_state_dict)"
     else:
         return
     raise DeferredInitError(
         f"{fqn} (shape {recorded[0]}) was {change} after deferred_init returned, which a deferred "
         "parameter cannot record: the change would be lost. Make it part of construction, "
         "deferred_init(lambda: initialise(Model(config))), or change the parameter after "
-        "vescale.parallelize (or materialize_module)"
+        "vescale.parallelize (or materialize_module); load pretrained weights after "
+        "vescale.parallelize with vescale.dcheckpoint.load_hf(model, directory)"
     )
 
 

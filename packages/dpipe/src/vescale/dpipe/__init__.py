@@ -13,6 +13,7 @@ from importlib.metadata import version as _distribution_version
 from vescale.dpipe.errors import (
     MicrobatchError,
     PipelineArgumentError,
+    PipelineCheckpointingError,
     PipelineCutError,
     PipelineError,
     PipelinePlanError,
@@ -28,6 +29,7 @@ __all__ = [
     "SPLIT_METHODS",
     "MicrobatchError",
     "PipelineArgumentError",
+    "PipelineCheckpointingError",
     "PipelineCutError",
     "PipelineError",
     "PipelineModule",

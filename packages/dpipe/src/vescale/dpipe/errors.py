@@ -17,6 +17,7 @@ from __future__ import annotations
 __all__ = [
     "MicrobatchError",
     "PipelineArgumentError",
+    "PipelineCheckpointingError",
     "PipelineCutError",
     "PipelineError",
     "PipelinePlanError",
@@ -51,3 +52,7 @@ class PipelineArgumentError(PipelineError, ValueError):
 
 class PipelineCutError(PipelineError, ValueError):
     """The model's forward cannot be cut at the requested place (the message says where and why)."""
+
+
+class PipelineCheckpointingError(PipelineError, RuntimeError):
+    """The model runs reentrant activation checkpointing, which a pipeline stage's backward cannot run."""

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -29,7 +30,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from vescale.dmodule.experts import carry_router_statistics
 from vescale.dpipe import _compat
 from vescale.dpipe.activation_meter import ActivationMeter
-from vescale.dpipe.errors import MicrobatchError, PipelineArgumentError, PipelineError, PipelinePlanError
+from vescale.dpipe.errors import (
+    MicrobatchError,
+    PipelineArgumentError,
+    PipelineCheckpointingError,
+    PipelineError,
+    PipelinePlanError,
+)
 from vescale.dpipe.finished_loss import loss_with_backward_done
 from vescale.dpipe.gradients import data_parallel_sync_deferred, finish_pipeline_gradients, tied_parameters
 from vescale.dpipe.plan import PipelinePlan
@@ -140,7 +147,7 @@ class PipelineModule(ModuleWrapper):
             module.logits.clear()
         run = schedule.step if training else schedule.eval
         self.activation_meter.reset_peak()
-        with data_parallel_sync_deferred(self):
+        with data_parallel_sync_deferred(self), _reentrant_checkpointing_named(self.module):
             run(**batch, target=target, losses=losses if has_labels else None, return_outputs=False)
         if training and has_labels:
             finish_pipeline_gradients(
@@ -288,6 +295,30 @@ class PipelineModule(ModuleWrapper):
             print(model.peak_activation_bytes() / model.activation_bytes()[model.stage_indices[0]])
         """
         return self._measured_meter().peak_bytes
+
+
+# The message of torch.utils.checkpoint's refusal when a reentrant checkpoint meets a backward
+# given ``inputs``, as PyTorch's stage backward passes them.
+_REENTRANT_REFUSAL = "use_reentrant=True"
+
+
+@contextlib.contextmanager
+def _reentrant_checkpointing_named(model: nn.Module) -> Iterator[None]:
+    """Turn torch's refusal of reentrant activation checkpointing in a stage's backward into an
+    error that names the cause in the model and the two ways out."""
+    try:
+        yield
+    except RuntimeError as error:
+        if _REENTRANT_REFUSAL not in str(error):
+            raise
+        raise PipelineCheckpointingError(
+            f"{type(model).__name__} runs reentrant activation checkpointing "
+            "(torch.utils.checkpoint(..., use_reentrant=True); in transformers, "
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': True})), "
+            "which a pipeline stage's backward cannot run: PyTorch's schedules differentiate each "
+            "stage with respect to its inputs. Use use_reentrant=False (transformers' default), or "
+            "leave recomputation to the plan (the activation_checkpointing constraint)"
+        ) from error
 
 
 def _stage_rank(plan: PipelinePlan, stage_index: int) -> int:

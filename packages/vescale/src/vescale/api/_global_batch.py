@@ -8,7 +8,8 @@ the loss of the whole global batch on every rank, as one device would print it:
   give the gradients of one device (the dp gradient average divides by ``dp`` again, which the
   weight undoes);
 * with micro-batches, the call runs forward and backward of each one (the dp gradient
-  reduction paused until the last) and the returned loss's ``backward()`` is a no-op;
+  reduction paused until the last; the caller's ``torch.autocast`` cache of weight casts
+  cleared after each) and the returned loss's ``backward()`` is a no-op;
 * a pipeline (dpipe) runs its own micro-batches and averages their losses unweighted, so there
   unequal term counts are an error rather than a silent difference.
 
@@ -249,6 +250,10 @@ class ParallelizedModel(ModuleWrapper):
                 if training:
                     # torch leaves Tensor.backward unannotated.
                     (weighted * self._dp_size).backward()  # type: ignore[no-untyped-call]
+                    # Under the caller's torch.autocast, each micro-batch casts the weights afresh,
+                    # as one device's forward does once: a cached cast of a weight ZeRO-3 gathered
+                    # again would send the next micro-batch's gradient past FSDP2's reduction.
+                    torch.clear_autocast_cache()
             outputs.append(output)
             weighted = weighted.detach()
             weighted_sum = weighted if weighted_sum is None else weighted_sum + weighted

@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from vescale.api._global_batch import ParallelizedModel
+from vescale.api._plain_outputs import plain_outputs_without_grad
 from vescale.api._recompute import checkpoint_repeated_blocks
 from vescale.api.errors import ParallelizeError, PlanMismatchError, UnsupportedPlanError, WorldSizeError
 from vescale.dmodule import DModuleError, materialize_module, parallelize_module
@@ -341,6 +342,7 @@ def parallelize(
         pipelined=plan.pipeline is not None,
         user_model=model,
     )
+    plain_outputs_without_grad(model)  # generate and no-grad evaluation read plain logits
     if plan.activation_checkpointing != "none":
         parallel_model.turn_cache_off_in_training()
     if compile:

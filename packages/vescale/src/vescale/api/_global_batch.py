@@ -7,9 +7,11 @@ the loss of the whole global batch on every rank, as one device would print it:
   loss terms over the global number (:mod:`._token_weights`), so labels padded with ``-100``
   give the gradients of one device (the dp gradient average divides by ``dp`` again, which the
   weight undoes);
-* with micro-batches, the call runs forward and backward of each one (the dp gradient
+* with micro-batches, a training call runs forward and backward of each one (the dp gradient
   reduction paused until the last; the caller's ``torch.autocast`` cache of weight casts
-  cleared after each) and the returned loss's ``backward()`` is a no-op;
+  cleared after each) and the returned loss's ``backward()`` is a no-op; a call under
+  ``torch.no_grad()`` runs their forwards; a call in eval mode with gradients is one forward
+  of the rank's batch, whose backward is the caller's, as on one device;
 * a pipeline (dpipe) runs its own micro-batches and averages their losses unweighted, so there
   unequal term counts are an error rather than a silent difference.
 
@@ -188,7 +190,12 @@ class ParallelizedModel(ModuleWrapper):
                     "call the parallelized model as model(**batch) or model(batch) with a dict batch"
                 )
             batch = dict(args[0])
-        micro_batches = _split(batch, self.num_microbatches) if self.num_microbatches > 1 else [batch]
+        # In eval mode with gradients on, the call is the forward one device runs, its backward
+        # left to the caller (who may train in eval mode, or never call it: a micro-batch's
+        # backward run here would leave gradients one device does not have).
+        whole = not self.training and torch.is_grad_enabled() and not self.pipelined
+        pieces = 1 if whole else self.num_microbatches
+        micro_batches = _split(batch, pieces) if pieces > 1 else [batch]
         counts = [self._count_terms(micro_batch) for micro_batch in micro_batches]
         if self.pipelined:
             return self._pipelined_forward(batch, counts)

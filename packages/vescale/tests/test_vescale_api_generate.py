@@ -72,3 +72,24 @@ def test_generate_and_no_grad_evaluation_give_what_one_device_gives(constraints,
         assert logits_type == "Tensor", "the logits of a no-grad call are a plain tensor, as on one device"
         error = ((logits - expected_logits).abs().max() / expected_logits.abs().max()).item()
         assert error <= LOGITS_BOUND, error
+
+
+def pipelined_attributes_on_rank() -> tuple[int, bool, str]:
+    """A pipelined model's config, whether it offers generate, and what calling it says."""
+    torch.manual_seed(0)
+    model = vescale.deferred_init(transformers.AutoModelForCausalLM.from_config, tiny_hf_config("llama"))
+    plan = vescale.generate_plan(model, {"pipeline_parallel.size": 2, "global_batch_size": GLOBAL_BATCH})
+    model, _, _, _ = vescale.parallelize(plan, model)
+    try:
+        model.generate(_prompt(), max_new_tokens=NEW_TOKENS)
+    except AttributeError as error:
+        return model.config.vocab_size, hasattr(model, "generate"), str(error)
+    return model.config.vocab_size, hasattr(model, "generate"), "generate ran"
+
+
+def test_a_pipelined_model_offers_its_config_and_refuses_generate_naming_the_way_out():
+    for vocab_size, has_generate, message in run_on_ranks(pipelined_attributes_on_rank, world_size=2):
+        assert vocab_size == tiny_hf_config("llama").vocab_size
+        assert not has_generate
+        assert message.startswith("LlamaForCausalLM.generate is not available on a pipelined model")
+        assert "without pipeline_parallel" in message and "export-hf" in message

@@ -173,7 +173,26 @@ class ParallelizedModel(ModuleWrapper):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(super().__getattr__("module"), name)
+            pass
+        module = super().__getattr__("module")
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            # A pipeline wraps the model, of which this rank holds only its stages.
+            model = module.__dict__.get("_modules", {}).get("module")
+            if not self.pipelined or model is None or not hasattr(model, name):
+                raise
+        value = getattr(model, name)
+        if not callable(value):
+            return value  # its config and other data are the whole model's
+        # A method (generate) would run the whole model. An AttributeError still, so that
+        # hasattr(model, name) answers False as before.
+        raise AttributeError(
+            f"{type(model).__name__}.{name} is not available on a pipelined model: each rank holds "
+            f"only its pipeline stages of {type(model).__name__}, and {name} would run all of it. Use "
+            "a plan without pipeline_parallel for it, or export the checkpoint (vescale checkpoint "
+            "export-hf) and call it on from_pretrained's model"
+        ) from None
 
     # torch types the ReduceOp members as ReduceOp.RedOpType.
     def _all_reduce(

@@ -283,6 +283,9 @@ class DDP:
         self._callback_queued = False
         self._grads_arrived = False
         self._reductions: dict[int, BucketReduction] = {}
+        # ZeRO-2: a bucket's chunk reduced by another backward of this step (the caller accumulating
+        # without no_sync), by bucket index: the kept chunk gets it added on completion.
+        self._chunks_to_add: dict[int, torch.Tensor] = {}
         # Parameters whose gradient does not have the bucket's dtype: which ones the bucket holds a value of.
         self._accumulated: set[int] = set()
         # The hooks hold this DDP weakly: torch keeps a parameter's hooks from C++, where the garbage
@@ -538,12 +541,22 @@ class DDP:
                 view.zero_()
 
     def _launch(self, bucket: Bucket) -> None:
+        chunk = None
+        if self.zero_stage == 2:
+            kept = bucket.grad_chunk
+            if kept is None:
+                chunk = bucket.allocate_grad_chunk()
+            else:
+                # The chunk holds an earlier backward's reduced gradient of this step: the gradients
+                # accumulate (as .grad does on one device) until zero_grad releases the chunk.
+                chunk = torch.empty_like(kept)
+                self._chunks_to_add[bucket.index] = chunk
         self._reductions[bucket.index] = start_reduction(
             bucket,
             bucket.reduction_group.group,
             result=self.reduce_result,
             deterministic=self.deterministic,
-            grad_chunk=bucket.allocate_grad_chunk() if self.zero_stage == 2 else None,
+            grad_chunk=chunk,
         )
         if self.zero_stage != 2:
             return
@@ -558,6 +571,9 @@ class DDP:
     def _complete(self, bucket: Bucket) -> None:
         """Wait for ``bucket``'s reduction; under ZeRO-2 release its full buffer, keeping the chunk."""
         self._reductions[bucket.index].wait()
+        later = self._chunks_to_add.pop(bucket.index, None)
+        if later is not None:
+            bucket.reduced_chunk().add_(later)
         if self.zero_stage == 2 and bucket.grad_buffer is not None:
             # Only this rank's chunk is averaged: the full buffer must not pass for gradients.
             for slot in bucket.slots:

@@ -162,7 +162,8 @@ class DistributedOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients and the masters' (``set_to_none=False`` zeroes them in place)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        if set_to_none and isinstance(self.owner, DDP):
+        if isinstance(self.owner, DDP):
+            # ZeRO-2's reduced chunks accumulate over the backward passes until here, as .grad does.
             self.owner.release_grad_chunks()
         for shard in self.shards.values():
             if set_to_none:

@@ -17,6 +17,7 @@ from vescale.dpipe.errors import (
     PipelineCutError,
     PipelineError,
     PipelinePlanError,
+    ScaledLossError,
     SplitPointError,
     StageCountError,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "PipelineModule",
     "PipelinePlan",
     "PipelinePlanError",
+    "ScaledLossError",
     "SplitPointError",
     "StageCountError",
     "__version__",

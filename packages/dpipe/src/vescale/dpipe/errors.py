@@ -21,6 +21,7 @@ __all__ = [
     "PipelineCutError",
     "PipelineError",
     "PipelinePlanError",
+    "ScaledLossError",
     "SplitPointError",
     "StageCountError",
 ]
@@ -56,3 +57,7 @@ class PipelineCutError(PipelineError, ValueError):
 
 class PipelineCheckpointingError(PipelineError, RuntimeError):
     """The model runs reentrant activation checkpointing, which a pipeline stage's backward cannot run."""
+
+
+class ScaledLossError(PipelineError, ValueError):
+    """A factor was put on a loss whose backward already ran inside the call that returned it."""

@@ -21,7 +21,7 @@ import vescale
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
 from vescale.dtensor.testing.models.token_batches import token_batches
-from vescale.dtensor.testing.numerics import assert_close_by_fqn, full_parameters
+from vescale.dtensor.testing.numerics import assert_close_by_fqn, full_parameters, sgd_step_gradients
 
 SGD_LR = 1e3
 GLOBAL_BATCH = 4
@@ -52,7 +52,7 @@ def autocast_step_on_rank(constraints: dict) -> tuple[dict[str, torch.Tensor], f
     loss.backward()
     optimizer.step()
     after = full_parameters(model)
-    updates = {name: (before[name] - after[name]).double() / SGD_LR for name in after}
+    updates = sgd_step_gradients(before, after, SGD_LR)
     return updates, loss.item(), plan.num_microbatches
 
 

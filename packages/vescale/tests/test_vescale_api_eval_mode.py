@@ -20,7 +20,7 @@ import vescale
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
 from vescale.dtensor.testing.models.token_batches import token_batches
-from vescale.dtensor.testing.numerics import assert_close_by_fqn, full_parameters
+from vescale.dtensor.testing.numerics import assert_close_by_fqn, full_parameters, sgd_step_gradients
 
 SGD_LR = 1e3
 GLOBAL_BATCH = 4
@@ -53,7 +53,7 @@ def eval_mode_step_on_rank() -> tuple[int, int, dict[str, torch.Tensor], float]:
     loss.backward()
     optimizer.step()
     after = full_parameters(model)
-    updates = {name: (before[name] - after[name]).double() / SGD_LR for name in after}
+    updates = sgd_step_gradients(before, after, SGD_LR)
     return plan.num_microbatches, with_gradient, updates, loss.item()
 
 

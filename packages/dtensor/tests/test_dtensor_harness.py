@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -261,6 +262,29 @@ def test_nested_functions_and_bad_world_sizes_are_refused_with_the_fix():
         run_on_ranks(nested, world_size=2)
     with pytest.raises(ValueError, match=r"world_size=9 is outside 1\.\.8"):
         run_on_ranks(all_reduce_rank_numbers, world_size=9)
+
+
+def test_a_script_s_rank_function_imports_the_script_s_neighbours(tmp_path):
+    # `python tools/bench/e2e.py` imports its sibling native_pipeline.py at module level; each
+    # rank loads the script by path and must find that sibling as the caller did.
+    (tmp_path / "script_sibling.py").write_text("ANSWER = 42\n")
+    (tmp_path / "script.py").write_text(
+        "from script_sibling import ANSWER\n"
+        "from vescale.dtensor.testing import run_on_ranks\n"
+        "def answer():\n"
+        "    return ANSWER\n"
+        "if __name__ == '__main__':\n"
+        "    print(run_on_ranks(answer, world_size=2))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "script.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(tmp_path),  # not the script's directory: `-m` would put that on sys.path
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[42, 42]"
 
 
 def start_ranks_from_a_rank() -> None:

@@ -5,7 +5,8 @@ value: its module and qualified name, plus the file to load when the module cann
 imported by name. Test files collected by pytest with ``--import-mode=importlib`` and the
 caller's ``__main__`` script are such modules; a rank loads them from their path, with
 pytest's assertion rewriting when pytest is importable, so that a failed ``assert a == b``
-on a rank still shows both values.
+on a rank still shows both values. A script's own directory goes first on a rank's
+``sys.path``, as Python puts it there for ``python script.py``, so its sibling imports resolve.
 """
 
 from __future__ import annotations
@@ -75,7 +76,16 @@ class FunctionRef:
             return sys.modules[self.module_name]
         if self.file is None:
             return importlib.import_module(self.module_name)
+        if self.module_name == SCRIPT_MODULE_NAME:
+            _put_script_directory_on_path(self.file)
         return _load_test_file(self.module_name, self.file)
+
+
+def _put_script_directory_on_path(file: str) -> None:
+    """Let the script import its neighbours on a rank, as ``python script.py`` lets it in the caller."""
+    directory = os.path.dirname(os.path.abspath(file))
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
 
 
 def _load_test_file(module_name: str, file: str) -> ModuleType:

@@ -262,9 +262,12 @@ class DDP:
         self.deterministic = deterministic
         self.zero_stage = zero_stage
         self.find_unused_parameters = find_unused_parameters
-        # ids of the parameters no dp rank computed a gradient for in the last synchronised window.
+        # ids of the parameters no dp rank computed a gradient for in the accumulation window.
         self.unused_params: frozenset[int] = frozenset()
         self._received_grad: set[int] = set()
+        # The window: every backward since the optimizer last stepped or cleared the gradients.
+        self._reached_in_window: set[int] = set()
+        self._window_closed = False
         self.buckets: list[Bucket] = build_buckets(
             named_parameters,
             bucket_size_bytes=int(bucket_size_mb * 2**20),
@@ -286,7 +289,9 @@ class DDP:
         # ZeRO-2: a bucket's chunk reduced by another backward of this step (the caller accumulating
         # without no_sync), by bucket index: the kept chunk gets it added on completion.
         self._chunks_to_add: dict[int, torch.Tensor] = {}
-        # Parameters whose gradient does not have the bucket's dtype: which ones the bucket holds a value of.
+        # Parameters whose gradient does not have the bucket's dtype: which ones the bucket holds a
+        # value of, in this window (ZeRO 0-1, whose buckets keep the window's reduced gradients) or
+        # this backward (ZeRO-2, whose full buckets live one backward).
         self._accumulated: set[int] = set()
         # The hooks hold this DDP weakly: torch keeps a parameter's hooks from C++, where the garbage
         # collector cannot see them, so a strong hook -> DDP -> module -> parameter cycle would keep
@@ -403,15 +408,36 @@ class DDP:
             for bucket in self.buckets:
                 self._complete(bucket)
         self._reductions.clear()
+        self._reached_in_window |= self._received_grad
         if self.find_unused_parameters:
             self._drop_globally_unused()
         self._received_grad.clear()
-        self._accumulated.clear()
+        if self.zero_stage == 2:
+            self._accumulated.clear()
         self._grads_arrived = False
+
+    def gradients_consumed(self) -> None:
+        """The optimizer stepped on the gradients or cleared them: the next backward starts a new
+        accumulation window, as ``.grad`` does on one device after ``zero_grad`` (``optimizer``'s or
+        the model's: a loop that never clears its gradients between steps is the one case that
+        differs, where one device would add the steps' gradients up).
+
+        Until then, every synchronising backward adds to the window's gradients: ZeRO-2's reduced
+        chunks, the buckets' ranges of gradients not in the buckets' dtype, and the record of which
+        parameters some rank used (``find_unused_parameters``).
+        """
+        self._window_closed = True
+
+    def _open_window(self) -> None:
+        self._window_closed = False
+        self.release_grad_chunks()
+        self._accumulated.clear()
+        self._reached_in_window.clear()
 
     def _drop_globally_unused(self) -> None:
         params = [slot.param for _, slot in self.slots()]
-        received = torch.tensor([id(param) in self._received_grad for param in params], dtype=torch.int32)
+        reached = self._reached_in_window
+        received = torch.tensor([id(param) in reached for param in params], dtype=torch.int32)
         dist.all_reduce(received, op=dist.ReduceOp.MAX, group=self.dp_group)
         self.unused_params = frozenset(
             id(param) for param, used in zip(params, received.tolist(), strict=True) if not used
@@ -479,6 +505,8 @@ class DDP:
     def _on_gradient(self, param: torch.Tensor) -> None:
         bucket, position = self._slot_of[id(param)]
         slot = bucket.slots[position]
+        if self._window_closed:
+            self._open_window()
         self._grads_arrived = True
         self._received_grad.add(id(param))
         if not self._callback_queued:

@@ -156,6 +156,7 @@ class DistributedOptimizer(Optimizer):
         self.optimizer.step()
         if isinstance(self.owner, DDP):
             publish_params(self.owner, self.shards)
+            self.owner.gradients_consumed()
         self._grads_loaded = False
         return loss
 
@@ -165,6 +166,7 @@ class DistributedOptimizer(Optimizer):
         if isinstance(self.owner, DDP):
             # ZeRO-2's reduced chunks accumulate over the backward passes until here, as .grad does.
             self.owner.release_grad_chunks()
+            self.owner.gradients_consumed()
         for shard in self.shards.values():
             if set_to_none:
                 shard.param.grad = None

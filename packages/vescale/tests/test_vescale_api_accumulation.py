@@ -104,13 +104,12 @@ def test_a_factor_on_a_loss_whose_backward_already_ran_is_an_error_naming_the_fi
         assert "raise global_batch_size" in error and "bf16" in error
 
 
-def trainer_loop_on_rank(zero_stage: int) -> dict[str, torch.Tensor]:
+def trainer_loop_on_rank(constraints: dict) -> dict[str, torch.Tensor]:
     """``transformers``' Trainer's order: backward, ``optimizer.step()``, ``model.zero_grad()``; two
     steps of one call each. The second step's updates."""
     torch.manual_seed(0)
     model = vescale.deferred_init(transformers.AutoModelForCausalLM.from_config, tiny_hf_config("llama"))
-    constraints = {"data_parallel.size": 2, "zero.stage": zero_stage, "global_batch_size": GLOBAL_BATCH}
-    plan = vescale.generate_plan(model, constraints)
+    plan = vescale.generate_plan(model, {**constraints, "global_batch_size": GLOBAL_BATCH})
     model, optimizer, _, _ = vescale.parallelize(
         plan, model, lambda module: torch.optim.SGD(module.parameters(), lr=SGD_LR)
     )
@@ -126,8 +125,15 @@ def trainer_loop_on_rank(zero_stage: int) -> dict[str, torch.Tensor]:
     return sgd_step_gradients(before, full_parameters(model), SGD_LR)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
-def test_a_loop_that_clears_the_model_s_gradients_after_each_step_steps_on_that_step_s_alone(zero_stage):
+@pytest.mark.parametrize(
+    ("constraints", "world_size"),
+    [({"data_parallel.size": 2, "zero.stage": stage}, 2) for stage in range(4)]
+    + [({"pipeline_parallel.size": 2, "data_parallel.size": 2, "zero.stage": 2}, 4)],
+    ids=["zero0", "zero1", "zero2", "zero3", "pp2-dp2-zero2"],
+)
+def test_a_loop_that_clears_the_model_s_gradients_after_each_step_steps_on_that_step_s_alone(
+    constraints, world_size
+):
     # Under ZeRO-2, model.zero_grad() left the reduced chunks in place (.grad is None there), so
     # the second step added the first step's gradient to its own (relative error 3.5e-2; 1.0e-6
     # measured now, the two steps' rounding at this learning rate).
@@ -140,6 +146,9 @@ def test_a_loop_that_clears_the_model_s_gradients_after_each_step_steps_on_that_
     reference.zero_grad()
     reference(**second).loss.backward()
     expected = {name: parameter.grad.double() for name, parameter in reference.named_parameters()}
-    for updates in run_on_ranks(trainer_loop_on_rank, world_size=2, args=(zero_stage,)):
-        worst = assert_close_by_fqn(updates, expected, BOUND, "second step's update")
-        print(f"ZeRO-{zero_stage}: worst update error {worst:.2e}")
+    results = run_on_ranks(trainer_loop_on_rank, world_size=world_size, args=(constraints,))
+    for updates in results:
+        held = {name: expected[name] for name in updates}  # a pipeline rank: its stage's
+        worst = assert_close_by_fqn(updates, held, BOUND, "second step's update")
+        print(f"{constraints}: worst update error {worst:.2e}")
+    assert set().union(*results) == set(expected)

@@ -40,14 +40,20 @@ def _batches() -> list[dict[str, torch.Tensor]]:
     return token_batches(tiny_hf_config("llama").vocab_size, CALLS, GLOBAL_BATCH, 8)
 
 
-def accumulated_step_on_rank(constraints: dict, divisor: float) -> tuple[dict[str, torch.Tensor], str]:
-    """``CALLS`` calls, each ``(loss / divisor).backward()``, then one SGD step: updates, or the error."""
+def _parallelized_llama(constraints: dict) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The tiny Llama, deferred, planned under ``constraints`` and parallelized with plain SGD."""
     torch.manual_seed(0)
     model = vescale.deferred_init(transformers.AutoModelForCausalLM.from_config, tiny_hf_config("llama"))
     plan = vescale.generate_plan(model, {**constraints, "global_batch_size": GLOBAL_BATCH})
     model, optimizer, _, _ = vescale.parallelize(
         plan, model, lambda module: torch.optim.SGD(module.parameters(), lr=SGD_LR)
     )
+    return model, optimizer
+
+
+def accumulated_step_on_rank(constraints: dict, divisor: float) -> tuple[dict[str, torch.Tensor], str]:
+    """``CALLS`` calls, each ``(loss / divisor).backward()``, then one SGD step: updates, or the error."""
+    model, optimizer = _parallelized_llama(constraints)
     dp_rank, rows = torch.distributed.get_rank() % 2, GLOBAL_BATCH // 2
     before = full_parameters(model)
     for batch in _batches():
@@ -107,12 +113,7 @@ def test_a_factor_on_a_loss_whose_backward_already_ran_is_an_error_naming_the_fi
 def trainer_loop_on_rank(constraints: dict) -> dict[str, torch.Tensor]:
     """``transformers``' Trainer's order: backward, ``optimizer.step()``, ``model.zero_grad()``; two
     steps of one call each. The second step's updates."""
-    torch.manual_seed(0)
-    model = vescale.deferred_init(transformers.AutoModelForCausalLM.from_config, tiny_hf_config("llama"))
-    plan = vescale.generate_plan(model, {**constraints, "global_batch_size": GLOBAL_BATCH})
-    model, optimizer, _, _ = vescale.parallelize(
-        plan, model, lambda module: torch.optim.SGD(module.parameters(), lr=SGD_LR)
-    )
+    model, optimizer = _parallelized_llama(constraints)
     dp_rank, rows = torch.distributed.get_rank() % 2, GLOBAL_BATCH // 2
     before = {}
     for batch in _batches():

@@ -264,8 +264,8 @@ class DDP:
         self.find_unused_parameters = find_unused_parameters
         # ids of the parameters no dp rank computed a gradient for in the accumulation window.
         self.unused_params: frozenset[int] = frozenset()
-        self._received_grad: set[int] = set()
-        # The window: every backward since the optimizer last stepped or cleared the gradients.
+        # The parameters a gradient reached in the window: every backward since the optimizer last
+        # stepped or cleared the gradients.
         self._reached_in_window: set[int] = set()
         self._window_closed = False
         self.buckets: list[Bucket] = build_buckets(
@@ -408,10 +408,8 @@ class DDP:
             for bucket in self.buckets:
                 self._complete(bucket)
         self._reductions.clear()
-        self._reached_in_window |= self._received_grad
         if self.find_unused_parameters:
             self._drop_globally_unused()
-        self._received_grad.clear()
         if self.zero_stage == 2:
             self._accumulated.clear()
         self._grads_arrived = False
@@ -508,7 +506,7 @@ class DDP:
         if self._window_closed:
             self._open_window()
         self._grads_arrived = True
-        self._received_grad.add(id(param))
+        self._reached_in_window.add(id(param))
         if not self._callback_queued:
             self._callback_queued = True
             _compat.queue_end_of_backward_callback(self._end_of_backward)

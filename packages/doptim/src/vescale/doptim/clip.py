@@ -4,8 +4,11 @@ Each rank sums the ``p``-th powers of the gradient elements it *owns*, so that e
 element of the single-device gradient is counted exactly once over the whole mesh: a
 piece sharded over a mesh dim (tensor parallel ``Shard``, a ZeRO chunk, FSDP2's dp shard) is
 owned by every rank of that dim; a piece replicated over a dim is owned only by the rank
-at coordinate 0 of it. The sums are then all-reduced over every mesh dim. The gradients
-are scaled as ``torch.nn.utils.clip_grad_norm_`` scales them.
+at coordinate 0 of it. Over a pipeline's ``pp`` mesh dim every rank owns its own stages'
+gradients (the stages hold different parameters); a tied parameter that several stages hold
+(:func:`mark_pipeline_copy`) is counted by the ranks of the first stage that holds it. The sums
+are then all-reduced over every mesh dim. The gradients are scaled as
+``torch.nn.utils.clip_grad_norm_`` scales them.
 
 Example::
 
@@ -28,7 +31,38 @@ from vescale.doptim.buckets import local_tensor
 from vescale.doptim.ddp import data_parallel_of
 from vescale.doptim.errors import DataParallelConfigError, DataParallelMeshError
 
-__all__ = ["GradPiece", "clip_grad_norm_", "sharded_mesh_dims"]
+__all__ = ["GradPiece", "clip_grad_norm_", "is_pipeline_copy", "mark_pipeline_copy", "sharded_mesh_dims"]
+
+# The mesh dim of pipeline stages: its ranks hold different parameters, not copies of the same.
+_PIPELINE_MESH_DIM = "pp"
+# Set on the parameter itself (as FSDP marks its parameters): a weak set of tensors would compare
+# them with the elementwise ``==``.
+_PIPELINE_COPY_ATTRIBUTE = "_vescale_pipeline_copy"
+
+
+def mark_pipeline_copy(parameter: torch.Tensor) -> None:
+    """Record that ``parameter`` is a tied parameter's copy whose gradient another pipeline stage counts.
+
+    A pipeline calls it on every rank that holds a tied parameter (GPT-2's ``wte``/``lm_head``) but
+    not the first stage that holds it: all of them hold the tied gradient sum, and the global norm
+    counts it once, on the first stage's ranks. The copy is still scaled when clipping.
+
+    Example::
+
+        if min(tied.stages) not in local_stages:
+            mark_pipeline_copy(tied.parameter)
+    """
+    setattr(parameter, _PIPELINE_COPY_ATTRIBUTE, True)
+
+
+def is_pipeline_copy(parameter: torch.Tensor) -> bool:
+    """Whether :func:`mark_pipeline_copy` marked ``parameter``.
+
+    Example::
+
+        counted_here = not is_pipeline_copy(param)
+    """
+    return getattr(parameter, _PIPELINE_COPY_ATTRIBUTE, False)
 
 
 @dataclass
@@ -38,13 +72,25 @@ class GradPiece:
     grad: torch.Tensor
     mesh: DeviceMesh | None
     sharded_dims: frozenset[int]
+    # A tied parameter's copy on a pipeline stage after the first that holds it (mark_pipeline_copy).
+    pipeline_copy: bool = False
 
     def owned(self) -> bool:
-        """Whether this rank counts the piece: it sits at coordinate 0 of every dim it is replicated on."""
+        """Whether this rank counts the piece: it sits at coordinate 0 of every dim it is replicated on.
+
+        Every rank of a pipeline's ``pp`` dim counts its own stages' pieces; a pipeline copy is
+        counted by the first stage that holds it, so nowhere here.
+        """
+        if self.pipeline_copy:
+            return False
         if self.mesh is None:
             return True
+        names = self.mesh.mesh_dim_names or ()
         return all(
-            dim in self.sharded_dims or self.mesh.get_local_rank(dim) == 0 for dim in range(self.mesh.ndim)
+            dim in self.sharded_dims
+            or (dim < len(names) and names[dim] == _PIPELINE_MESH_DIM)
+            or self.mesh.get_local_rank(dim) == 0
+            for dim in range(self.mesh.ndim)
         )
 
 
@@ -76,7 +122,9 @@ def _pieces_of_parameters(parameters: Iterable[torch.Tensor]) -> list[GradPiece]
         if param.grad is None:
             continue
         mesh = owner.device_mesh if owner is not None else getattr(param, "device_mesh", None)
-        pieces.append(GradPiece(local_tensor(param.grad), mesh, sharded_mesh_dims(param)))
+        pieces.append(
+            GradPiece(local_tensor(param.grad), mesh, sharded_mesh_dims(param), is_pipeline_copy(param))
+        )
     return pieces
 
 
@@ -123,7 +171,9 @@ def clip_grad_norm_(
         # all-reduces below would add it once per rank.
         mesh = next(iter(meshes.values()))
         pieces = [
-            piece if piece.mesh is not None else GradPiece(piece.grad, mesh, piece.sharded_dims)
+            piece
+            if piece.mesh is not None
+            else GradPiece(piece.grad, mesh, piece.sharded_dims, piece.pipeline_copy)
             for piece in pieces
         ]
     norm_type = float(norm_type)

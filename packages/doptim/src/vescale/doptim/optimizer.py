@@ -27,7 +27,7 @@ import torch
 from torch.optim import Optimizer
 
 from vescale.doptim.checkpoint_view import OptimizerCheckpointView
-from vescale.doptim.clip import GradPiece, sharded_mesh_dims
+from vescale.doptim.clip import GradPiece, is_pipeline_copy, sharded_mesh_dims
 from vescale.doptim.data_parallel import FullyShardedState
 from vescale.doptim.ddp import DDP, data_parallel_of
 from vescale.doptim.errors import DataParallelConfigError, OptimizerOrderError
@@ -125,7 +125,12 @@ class DistributedOptimizer(Optimizer):
             return [
                 # Each parameter's own mesh: over several dp dims (dp x ep) FSDP2 puts the non-expert
                 # parameters on a mesh with those dims flattened into one.
-                GradPiece(param.grad.to_local(), param.device_mesh, sharded_mesh_dims(param))
+                GradPiece(
+                    param.grad.to_local(),
+                    param.device_mesh,
+                    sharded_mesh_dims(param),
+                    is_pipeline_copy(param),
+                )
                 for param in params
             ]
         names = mesh_dim_names(self.owner.device_mesh)
@@ -134,6 +139,7 @@ class DistributedOptimizer(Optimizer):
                 shard.master.grad,
                 self.owner.device_mesh,
                 sharded_mesh_dims(shard.param) | self._chunked_dims(shard, names),
+                is_pipeline_copy(shard.param),
             )
             for shard in self.shards.values()
             if shard.master.grad is not None

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from vescale.dmodule.experts import carry_router_statistics
+from vescale.doptim.clip import mark_pipeline_copy
 from vescale.dpipe import _compat
 from vescale.dpipe.activation_meter import ActivationMeter
 from vescale.dpipe.errors import (
@@ -109,6 +110,11 @@ class PipelineModule(ModuleWrapper):
         self.stage_indices = local_stage_indices(plan, self.pp_rank)
         self._output_type = trace.output_type
         self._tied_parameters = tied_parameters(model, layout)
+        for tied in self._tied_parameters:
+            # Every stage that holds a tied parameter ends a step with the same summed gradient: the
+            # global gradient norm counts it on the first of them only.
+            if tied.stages.intersection(self.stage_indices) and min(tied.stages) not in self.stage_indices:
+                mark_pipeline_copy(tied.parameter)
         # A tied parameter's name without a pipeline (its first name in the whole model), which a
         # stage that holds it only under another name (GPT-2's last stage: lm_head.weight) reports.
         first_names = {id(param): fqn for fqn, param in model.named_parameters()}

@@ -118,3 +118,25 @@ def test_no_planner_proposes_zero_3_under_a_pipeline_which_the_runtime_lacks():
             Constraints(), (1, pp, 2, 1), zero_stage, "none", "fp32", 128, {False: None}
         )
         assert (layout is not None) == expected, (zero_stage, pp)
+
+
+def test_the_planner_takes_zero_2_without_a_pipeline_only_when_asked():
+    # ZeRO-2 leaves .grad None, so a loop's torch.nn.utils.clip_grad_norm_ clips nothing there.
+    # These budgets chose dp ZeRO-2 before; ZeRO 0 or 1 fit them as fast by the model.
+    from vescale.dtensor.testing.models.tiny_hf import build_tiny_hf_model
+    from vescale.planner import generate_plan
+
+    model = build_tiny_hf_model("llama")
+    base = {"sequence_length": 64, "global_batch_size": 8, "hardware": "a100-80gb", "mixed_precision": "fp32"}
+    for world_size, share in ((2, 0.4), (4, 0.3), (8, 0.3)):
+        roomy = generate_plan(
+            model,
+            {**base, "data_parallel.size": world_size, "zero.stage": 0, "activation_checkpointing": "none"},
+            world_size=world_size,
+        )
+        budget = {**base, "memory_per_device_gb": roomy.memory_estimate.total * share / 2**30}
+        chosen = generate_plan(model, budget, world_size=world_size)
+        assert chosen.data_parallel.zero_stage != 2 or chosen.mesh_size("pp") > 1, chosen
+        assert chosen.memory_estimate.total <= budget["memory_per_device_gb"] * 2**30
+        asked = generate_plan(model, {**budget, "zero.stage": 2}, world_size=world_size)
+        assert asked.data_parallel.zero_stage == 2

@@ -59,7 +59,11 @@ def explain_choices(
             if choices.sequence_parallel
             else "off: no tensor parallelism to shard the sequence over",
         ),
-        "zero_stage": given("zero_stage", f"the lowest ZeRO stage that fits ({fits})"),
+        "zero_stage": given(
+            "zero_stage",
+            f"the lowest ZeRO stage that fits ({fits}); ZeRO-2 only under a pipeline, as with it "
+            "torch.nn.utils.clip_grad_norm_ sees no gradients",
+        ),
         "activation_checkpointing": given(
             "activation_checkpointing",
             {

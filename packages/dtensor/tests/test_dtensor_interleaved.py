@@ -399,3 +399,46 @@ def test_split_and_cat_of_any_dtensor_stay_on_dtensors_cached_path_with_interlea
         for (texts, part_full), reference in zip(result["plain_parts"], plain_full.split(3, 1), strict=True):
             assert texts == ["S(0)"] and torch.equal(part_full, reference)
         assert result["plain_joined"][0] == ["S(0)"] and torch.equal(result["plain_joined"][1], plain_full)
+
+
+def fsdp_over_interleaved_on_ranks(full: torch.Tensor) -> dict:
+    """FSDP2 shards an InterleavedShard(0, 3) parameter over dp within each tp shard (GPT-2's fused
+    c_attn bias under ZeRO-3): each rank's piece, the full value read back, and the same layout
+    reached from a Replicate tensor and from the tp shard alone."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device_type_for_backend(dist.get_backend()), (2, 2), mesh_dim_names=("dp", "tp"))
+    module = torch.nn.Module()
+    module.bias = torch.nn.Parameter(distribute_tensor(full, mesh["tp"], [InterleavedShard(0, 3)]))
+    fully_shard(module, mesh=mesh["dp"])
+    sharded = module.bias
+    replicated = DTensor.from_local(full.clone(), mesh, [Replicate(), Replicate()], run_check=False)
+    tp_only = redistribute(replicated, ["R", "IS(0,3)"])
+    return {
+        "placements": tuple(type(p).__name__ for p in sharded.placements),
+        "local": sharded.to_local().detach().clone(),
+        "full": sharded.full_tensor().detach(),
+        "tp_local": redistribute(sharded.detach(), ["R", "IS(0,3)"]).to_local(),
+        "from_replicate": replicated.redistribute(mesh, sharded.placements).to_local(),
+        "from_tp": tp_only.redistribute(mesh, sharded.placements).to_local(),
+    }
+
+
+@pytest.mark.parametrize("length", [96, 18], ids=["even", "dp-uneven"])
+def test_fsdp2_shards_of_an_interleaved_parameter_read_back_as_single_device(length):
+    # FSDP2 records (_StridedShard(0, sf=2), _StridedShard(0, sf=3)), which torch's redistribution
+    # read as another layout: GPT-2's c_attn bias came back from full_tensor() scrambled under
+    # dp2 x tp2 ZeRO-3 (its k and v thirds mixed), and so did its optimizer state.
+    full = torch.arange(float(length))
+    parts = full.chunk(3)
+    for rank, result in enumerate(
+        run_on_ranks(fsdp_over_interleaved_on_ranks, 4, args=(full,), timeout_s=60)
+    ):
+        dp_rank, tp_rank = divmod(rank, 2)
+        tp_local = torch.cat([part.chunk(2)[tp_rank] for part in parts])
+        assert result["placements"] == ("_StridedShard", "_StridedShard")
+        assert torch.equal(result["local"], tp_local.chunk(2)[dp_rank])  # what FSDP2 holds
+        assert torch.equal(result["full"], full)
+        assert torch.equal(result["tp_local"], tp_local)
+        assert torch.equal(result["from_replicate"], result["local"])
+        assert torch.equal(result["from_tp"], result["local"])

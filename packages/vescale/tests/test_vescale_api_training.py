@@ -73,6 +73,15 @@ CONSTRAINED_PLANS = {
     },
     "generated": {},
 }
+# ZeRO-3 under tensor parallelism: FSDP2 shards each tp shard over dp (test_fused_qkv_bias_...).
+ZERO3_PLANS = {
+    "dp2xtp2+zero3": {
+        "data_parallel.size": 2,
+        "tensor_parallel.size": 2,
+        "zero.stage": 3,
+        "micro_batch_size": GLOBAL_BATCH // 2,
+    },
+}
 
 
 def build_dataset(vocab_size: int) -> list[dict[str, torch.Tensor]]:
@@ -120,7 +129,7 @@ def rfc_script(model_name: str, plan_name: str, make_optimizer, steps: int) -> t
     """The RFC's script with ``plan_name`` for ``steps`` steps: losses, mesh, full parameters before/after."""
     vescale.manual_seed(0)
     model = vescale.deferred_init(build_model, model_name)
-    constraints = {"global_batch_size": GLOBAL_BATCH, **CONSTRAINED_PLANS[plan_name]}
+    constraints = {"global_batch_size": GLOBAL_BATCH, **{**CONSTRAINED_PLANS, **ZERO3_PLANS}[plan_name]}
     plan = vescale.generate_plan(model, constraints)
     dataset = build_dataset(model.config.vocab_size)[: steps * GLOBAL_BATCH]
     model, optimizer, _, data_loader = vescale.parallelize(plan, model, make_optimizer, None, dataset)
@@ -189,3 +198,20 @@ def test_dp2_tp2_keeps_each_dp_ranks_batch_apart(model_name: str):
     for rank, per_plan in enumerate(results):
         run = per_plan[plan_name]
         assert_run_matches(reference, run, f"{model_name} {plan_name} {run['mesh']} rank {rank}", rank)
+
+
+def test_fused_qkv_bias_under_zero3_and_tensor_parallelism_matches_single_device():
+    """GPT-2's fused ``c_attn`` bias is ``IS(0,3)`` over tp; under ZeRO-3 FSDP2 cuts each tp
+    shard over dp and records ``(_StridedShard(0, sf=2), _StridedShard(0, sf=3))``, which torch's
+    redistribution read as another layout: training stepped the right elements, but every
+    full view of the bias (``full_tensor()``, the parameters read back here, the optimizer
+    state) mixed its k and v thirds (first-step gradient error 1.0-1.2) while the losses
+    matched. ``_compat``'s planner now gathers dp first, as the plain Shard of the tp shard it is.
+    """
+    reference = reference_run("gpt2")
+    plan_name = "dp2xtp2+zero3"
+    results = run_on_ranks(rfc_script_runs, world_size=WORLD_SIZE, args=("gpt2", [plan_name]), timeout_s=600)
+    for rank, per_plan in enumerate(results):
+        run = per_plan[plan_name]
+        assert run["mesh"]["dp"] == 2 and run["mesh"]["tp"] == 2
+        assert_run_matches(reference, run, f"gpt2 {plan_name} {run['mesh']} rank {rank}", rank)

@@ -20,9 +20,11 @@ from torch.distributed.tensor import Replicate, Shard
 
 __all__ = [
     "BATCH_MESH_DIMS",
+    "inner_local_shape",
     "keeps_dims_replicate",
     "leaves_a_batch_dim",
     "moves_an_unchanged_replicate_dim",
+    "nested_strided_dims",
     "one_dim_among_replicate_ones",
     "through_replicate",
 ]
@@ -98,3 +100,50 @@ def through_replicate(transform_infos: list[Any], strided_shard: type) -> list[A
         else:
             steps.append(info)
     return steps
+
+
+def nested_strided_dims(spec: Any, strided_shard: Any) -> tuple[int, int] | None:
+    """``(outer, inner)`` mesh dims where FSDP2 strided-shards a tensor dim over an interleaved one.
+
+    FSDP2 shards a tensor-parallel parameter over dp *within* each tp shard: it cuts each rank's
+    local tensor along the dim tp shards and records ``_StridedShard(d, sf=tp)`` on dp. When
+    the tp placement is itself a ``_StridedShard`` of that dim (an ``InterleavedShard``: GPT-2's
+    fused ``c_attn`` bias ``IS(0,3)``), ``(dp, tp) = (_StridedShard(0, sf=2), _StridedShard(0,
+    sf=3))``, and torch's redistribution reads it as another layout than the one the ranks hold
+    (``full_tensor()`` of that bias came back scrambled). What the ranks hold is a plain
+    ``Shard(d)`` over ``outer`` of each ``inner`` rank's local tensor; ``vescale.dcheckpoint``'s
+    layouts read it the same way. ``None`` for every other spec (FSDP2 over a plain tp
+    ``Shard``, which torch reads right).
+
+    ``strided_shard`` is torch's private ``_StridedShard`` class (``_compat.strided_shard_type()``).
+    """
+    placements = spec.placements
+    for outer, placement in enumerate(placements):
+        if not isinstance(placement, strided_shard):
+            continue
+        later = [
+            inner
+            for inner in range(outer + 1, len(placements))
+            if isinstance(placements[inner], Shard | strided_shard) and placements[inner].dim == placement.dim
+        ]
+        if (
+            len(later) == 1
+            and isinstance(placements[later[0]], strided_shard)
+            and spec.mesh.size(later[0]) == placement.split_factor
+        ):
+            return outer, later[0]
+    return None
+
+
+def inner_local_shape(spec: Any, inner: int) -> list[int]:
+    """The shape of one ``inner`` mesh rank's local tensor when only ``inner``'s placement (an
+    ``InterleavedShard``: equal parts, each chunked over the mesh dim as ``torch.chunk`` does) is
+    applied: what ``nested_strided_dims``'s outer mesh dim cuts."""
+    placement = spec.placements[inner]
+    shape = list(spec.shape)
+    parts = placement.split_factor
+    part_length = shape[placement.dim] // parts
+    size, index = spec.mesh.size(inner), spec.mesh.get_coordinate()[inner]
+    chunk = -(-part_length // size)
+    shape[placement.dim] = parts * max(0, min(part_length, (index + 1) * chunk) - index * chunk)
+    return shape

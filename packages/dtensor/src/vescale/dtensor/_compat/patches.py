@@ -3,7 +3,7 @@ sharding propagation: torch 2.11/2.12 backports of what 2.13 has, and, on every 
 keep data-parallel (batch) mesh dims Replicate.
 
 Private PyTorch APIs: ``torch.distributed.tensor._redistribute`` (``_gen_transform_infos``,
-``_gen_transform_infos_non_cached``, ``get_redistribute_planner``),
+``_gen_transform_infos_non_cached``, ``get_redistribute_planner``, ``_TransformInfo``),
 ``torch.distributed.tensor._sharding_prop`` (``_select_min_cost_strategy``, ``LocalLRUCache``),
 the ``ShardingPropagator``'s ``propagate_op_sharding(_non_cached)`` and ``op_to_schema_info``, and
 ``DTensor._op_dispatcher._dispatch_get_local_results_slow_path``.
@@ -24,21 +24,30 @@ import importlib
 from typing import Any
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
-from vescale.dtensor._compat.core import PrivateTorchAPIError, _private_attribute, torch_version
+from vescale.dtensor._compat.core import (
+    PrivateTorchAPIError,
+    _private_attribute,
+    _private_class,
+    torch_version,
+)
 from vescale.dtensor._compat.dispatcher import (
     _op_dispatcher,
     clear_dtensor_sharding_caches,
     dtensor_op_strategy,
     dtensor_sharding_propagator,
     dtensor_strategy_registries,
+    dtensor_strategy_type,
 )
 from vescale.dtensor._compat.placements import strided_shard_type
 from vescale.dtensor._placement_moves import (
     BATCH_MESH_DIMS,
+    inner_local_shape,
     keeps_dims_replicate,
     leaves_a_batch_dim,
     moves_an_unchanged_replicate_dim,
+    nested_strided_dims,
     one_dim_among_replicate_ones,
     through_replicate,
 )
@@ -136,6 +145,9 @@ def install_replicate_dims_guard() -> None:
     def plan_keeping_replicate_dims(
         src_spec: Any, dst_spec: Any, use_graph_based_transform: Any = None
     ) -> Any:
+        nested = _plan_around_nested_strided(src_spec, dst_spec, plan_keeping_replicate_dims)
+        if nested is not None:
+            return nested
         if not (one_dim_among_replicate_ones(src_spec, dst_spec) or leaves_a_batch_dim(src_spec, dst_spec)):
             transform_infos = plan(src_spec, dst_spec, use_graph_based_transform)
             if not moves_an_unchanged_replicate_dim(transform_infos, src_spec, dst_spec):
@@ -150,6 +162,43 @@ def install_replicate_dims_guard() -> None:
     plan_keeping_replicate_dims.vescale_greedy_fallback = greedy_fallback  # type: ignore[attr-defined]
     setattr(module, _PLANNER_ATTRIBUTE, plan_keeping_replicate_dims)
     cached_plan.cache_clear()  # plans made before may move such dims
+
+
+def _plan_around_nested_strided(src_spec: Any, dst_spec: Any, plan: Any) -> list[Any] | None:
+    """The steps of a move from or to FSDP2's strided shard of an interleaved one (see
+    ``_placement_moves.nested_strided_dims``), ``None`` for any other move: the outer mesh dim
+    is gathered first (or split last) as the plain ``Shard`` of the inner rank's local tensor
+    that it is, and ``plan`` moves the rest, which torch reads right."""
+    strided = strided_shard_type()
+    source, target = nested_strided_dims(src_spec, strided), nested_strided_dims(dst_spec, strided)
+    if (source is None and target is None) or src_spec.placements == dst_spec.placements:
+        return None
+    transform_info = _private_class(_REDISTRIBUTE_MODULE, "_TransformInfo")
+    spec_type = dtensor_strategy_type("dtensor_spec")
+
+    def without(spec: Any, outer: int) -> Any:
+        placements = list(spec.placements)
+        placements[outer] = Replicate()
+        return spec_type(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+
+    if source is not None:
+        outer, inner = source
+        dim = src_spec.placements[outer].dim
+        gather = transform_info(
+            mesh_dim=outer,
+            src_dst_placements=(Shard(dim), Replicate()),
+            logical_shape=inner_local_shape(src_spec, inner),
+        )
+        return [gather, *plan(without(src_spec, outer), dst_spec)]
+    assert target is not None
+    outer, inner = target
+    dim = dst_spec.placements[outer].dim
+    split = transform_info(
+        mesh_dim=outer,
+        src_dst_placements=(Replicate(), Shard(dim)),
+        logical_shape=inner_local_shape(dst_spec, inner),
+    )
+    return [*plan(src_spec, without(dst_spec, outer)), split]
 
 
 # The same holds for the strategies sharding propagation chooses: with every input Replicate on

@@ -41,6 +41,7 @@ from torch import nn
 
 from vescale.dmodule._dataflow_trace import DataflowTrace, Projection, trace_dataflow
 from vescale.dmodule.errors import ShardingPlanError
+from vescale.dmodule.example_labels import example_labels
 from vescale.dmodule.sharding_plan import ShardingPlan
 
 __all__ = ["AutoShardingResult", "auto_sharding_plan", "plan_tensor_parallel"]
@@ -104,7 +105,7 @@ def _default_example(model: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]]
     input_ids = torch.zeros(2, 8, dtype=torch.long, device=device)
     names = list(inspect.signature(model.forward).parameters)
     if "input_ids" in names and "labels" in names:
-        return (), {"input_ids": input_ids, "labels": input_ids}
+        return (), {"input_ids": input_ids, "labels": example_labels(model, input_ids)}
     positional = [name for name in names if name not in ("args", "kwargs")]
     return ((input_ids, input_ids) if len(positional) >= 2 else (input_ids,)), {}
 

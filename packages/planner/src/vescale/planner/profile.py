@@ -34,6 +34,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from vescale.dmodule.example_labels import example_labels
 from vescale.dmodule.experts import find_moe_blocks
 from vescale.dtensor.deferred.fake_values import FakeValuePolicy
 from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
@@ -140,7 +141,7 @@ def _example_inputs(
     input_ids = torch.zeros(batch, sequence_length, dtype=torch.long, device="meta")
     names = list(inspect.signature(model.forward).parameters)
     if "input_ids" in names:
-        labels = {"labels": input_ids} if "labels" in names else {}
+        labels = {"labels": example_labels(model, input_ids)} if "labels" in names else {}
         return (), {"input_ids": input_ids, **labels}
     return (input_ids,), {}
 

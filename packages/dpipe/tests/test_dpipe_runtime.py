@@ -167,6 +167,25 @@ def _pp_size_mismatch() -> None:
     pipeline_parallelize(build_tiny_hf_model("llama"), init_mesh(pp=2), PipelinePlan(size=4))
 
 
+def _question_answering_pipeline() -> None:
+    import transformers
+
+    from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
+
+    model = transformers.AutoModelForQuestionAnswering.from_config(tiny_hf_config("llama"))
+    pipeline_parallelize(model, init_mesh(pp=2), PipelinePlan(size=2))
+
+
+def test_a_model_whose_output_has_no_logits_is_refused_on_every_rank_before_the_schedule():
+    # The pipeline rebuilds the model's output from the last stage's loss and logits. A question-
+    # answering head's output (start and end logits) failed on the last stage alone, with an
+    # AttributeError, while the first stage waited in its send until the rank timeout.
+    with pytest.raises(
+        PipelinePlanError, match=r"returns QuestionAnsweringModelOutput \(fields: \['loss', 'start_logits'"
+    ):
+        run_on_ranks(_question_answering_pipeline, 2, timeout_s=60)
+
+
 def test_mesh_must_have_a_pp_dimension_of_the_plan_size():
     with pytest.raises(PipelinePlanError, match=r"the mesh \('dp',\) has no 'pp' dimension"):
         run_on_ranks(_mesh_without_pp, 2, timeout_s=60)

@@ -53,6 +53,25 @@ __all__ = ["ModuleWrapper", "PipelineModule", "pipeline_parallelize"]
 _LOSS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
+def _check_output_type(model: nn.Module, output_type: type) -> None:
+    """Refuse, on every rank before any stage runs, a model whose output the pipeline cannot rebuild.
+
+    The pipeline returns the model's own output type holding the loss and the logits the last
+    stage computed (a language model's ``CausalLMOutput``, a classifier's ``SequenceClassifierOutput``);
+    a ``QuestionAnsweringModelOutput`` (start and end logits) or a plain tuple has no such fields,
+    and failed on the last stage only, after the first ranks had started the schedule.
+    """
+    try:
+        output_type(loss=None, logits=None)  # what PipelineModule.forward builds, empty
+    except TypeError:
+        fields = list(getattr(output_type, "__dataclass_fields__", {})) or "none named"
+        raise PipelinePlanError(
+            f"{type(model).__name__} returns {output_type.__name__} (fields: {fields}), but a pipeline "
+            "returns the model's loss and logits: it runs models whose output has `loss` and `logits` "
+            "(language models, sequence and token classifiers); use a plan without pipeline_parallel"
+        ) from None
+
+
 def _loss_of_last_stage(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
     # The last stage returns (loss, logits): the model computed its own loss from the labels.
     return output[0]
@@ -377,6 +396,7 @@ def pipeline_parallelize(
         raise PipelinePlanError(f"PipelinePlan.size is {plan.size} but the pp dimension has {world} ranks")
     batch = example_batch if example_batch is not None else default_example_batch(model)
     trace = trace_model(model, batch)
+    _check_output_type(model, trace.output_type)
     layout = split_model(model, plan, trace)
     # What a later stage needs from an earlier one besides the hidden state (a position bias, the
     # per-layer inputs computed before the blocks) travels with it; this follows the data to find it.

@@ -110,3 +110,44 @@ def test_fsdp_forward_hooks_run_outside_implicit_replication_and_the_model_insid
         assert result["replaced"] == [True, True, True, True]
         assert result["modes"] == [True]
         assert result["matches"]
+
+
+class _OldStylePostBackward(torch.autograd.Function):
+    """torch 2.11's RegisterPostBackwardFunction: ``forward(ctx, param_group, *inputs)``, no setup_context."""
+
+    @staticmethod
+    def forward(ctx, param_group, *inputs):  # type: ignore[no-untyped-def]
+        ctx.param_group = param_group
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[no-untyped-def]
+        ctx.param_group.post_backward()
+        return (None, *grads)
+
+
+def test_fsdp_post_backward_replacement_keeps_torch_2_11s_old_style_function(monkeypatch):
+    # On torch 2.11 the replacement defined setup_context over an old-style forward(ctx, ...):
+    # every ZeRO-3 forward failed with "setup_context is not implemented" (seen on the GPU
+    # machines' torch 2.11.0+cu130, dp2 ZeRO-3 of a tiny Llama; ZeRO-1 unaffected).
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    monkeypatch.setattr(_fsdp_param_group, "RegisterPostBackwardFunction", _OldStylePostBackward)
+    ours = torch.nn.Linear(2, 2)
+    _compat.unmaterialized_fsdp_post_backward(ours)
+    installed = _fsdp_param_group.RegisterPostBackwardFunction
+    assert installed is not _OldStylePostBackward and issubclass(installed, _OldStylePostBackward)
+
+    calls: list[str] = []
+
+    class _Group:
+        modules = (ours,)
+
+        def post_backward(self) -> None:
+            calls.append("post_backward")
+
+    used, unused = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    used_out, _ = installed.apply(_Group(), used * 1, unused * 1)
+    (used_out * 3).sum().backward()
+    assert torch.equal(used.grad, torch.full((2,), 3.0))
+    assert unused.grad is None and calls == ["post_backward"]

@@ -95,6 +95,22 @@ def unmaterialized_fsdp_post_backward(model: torch.nn.Module) -> None:
     if getattr(original, "vescale_unmaterialized", False):
         return
 
+    if original.setup_context is torch.autograd.Function.setup_context:
+        # torch 2.11: the old style, ``forward(ctx, param_group, *inputs)`` with no setup_context
+        # (defining one would make autograd call forward without ctx).
+        class _UnmaterializedOldStyle(original):  # type: ignore[misc]  # a class found at run time
+            vescale_unmaterialized = True
+
+            @staticmethod
+            def forward(ctx: Any, param_group: Any, *inputs: Any) -> Any:
+                output = original.forward(ctx, param_group, *inputs)
+                if _leaves_missing_gradients_missing(param_group):
+                    ctx.set_materialize_grads(False)
+                return output
+
+        setattr(module, "RegisterPostBackwardFunction", _UnmaterializedOldStyle)  # noqa: B010
+        return
+
     class _UnmaterializedPostBackward(original):  # type: ignore[misc]  # a class found at run time
         vescale_unmaterialized = True
 

@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from vescale.dtensor import _compat
+from vescale.dtensor._batch_piece import BatchPiece, current_piece
 from vescale.dtensor.errors import DTensorError
 
 __all__ = ["RandomCall", "RandomOpError", "cut_local_shard", "draw_local", "local_box", "slice_model"]
@@ -236,13 +237,25 @@ def _slice_run(
     local_template: torch.Tensor,
 ) -> tuple[tuple[int, int], int] | None:
     """``((start, end), words per element)`` when the slice strategy is exact here, else None."""
-    if local_template.device.type != "cpu" or not local_template.is_contiguous():
-        return None
-    if tuple(global_stride) != _contiguous_stride(global_shape):
+    if not _sliceable_layout(global_shape, global_stride, local_template):
         return None
     box = local_box(mesh, placements, global_shape)
-    if box is None:
-        return None
+    return None if box is None else _slice_run_of_box(call, box, global_shape, local_template)
+
+
+def _sliceable_layout(
+    global_shape: Sequence[int], global_stride: Sequence[int], local_template: torch.Tensor
+) -> bool:
+    return (
+        local_template.device.type == "cpu"
+        and local_template.is_contiguous()
+        and tuple(global_stride) == _contiguous_stride(global_shape)
+    )
+
+
+def _slice_run_of_box(
+    call: RandomCall, box: list[tuple[int, int]], global_shape: Sequence[int], local_template: torch.Tensor
+) -> tuple[tuple[int, int], int] | None:
     run = _contiguous_run(box, global_shape)
     if run is None:
         return None
@@ -266,7 +279,7 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 
 def draw_local(
     call: RandomCall,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     placements: Sequence[Placement],
     global_shape: Sequence[int],
     global_stride: Sequence[int],
@@ -276,23 +289,96 @@ def draw_local(
     """The outputs of ``call`` on this rank's shard, equal to that shard of the single-device outputs.
 
     ``global_template()`` builds the global tensor argument (only the full strategy calls
-    it); ``local_template`` is the local one (filled in place by ``"fill"`` calls).
+    it); ``local_template`` is the local one (filled in place by ``"fill"`` calls). Inside a
+    piece of the global batch (:mod:`vescale.dtensor.batch_random`), a tensor whose leading dim
+    holds the piece's rows is drawn as those rows of the whole batch's tensor; ``mesh`` None is a
+    plain tensor there (its own global tensor).
 
     Example::
 
         full = lambda: torch.empty(8, 4)
         (local,) = draw_local(call, mesh, [Shard(0)], (8, 4), (4, 1), full, torch.empty(4, 4))
     """
+    piece = current_piece()
+    factor = piece.rows_factor(global_shape[0]) if piece is not None and global_shape else None
+    if piece is not None and factor is not None and not piece.whole:
+        return _draw_in_piece(
+            call,
+            piece,
+            factor,
+            mesh,
+            placements,
+            global_shape,
+            global_stride,
+            global_template,
+            local_template,
+        )
+    if mesh is None:
+        raise RandomOpError(f"{call.op} on a plain tensor was sent to the sharded draw outside a batch piece")
     slice_run = _slice_run(call, mesh, placements, global_shape, global_stride, local_template)
     if slice_run is not None:
         (start, end), words = slice_run
-        _discard_words(words * start, call.generator)
-        outputs = _outputs(call.run(local_template, call.generator))
-        _discard_words(words * (math.prod(global_shape) - end), call.generator)
-        return outputs
+        return _draw_run(call, local_template, start, end, words, math.prod(global_shape))
     full_outputs = _outputs(call.run(global_template(), call.generator))
     local_outputs = tuple(cut_local_shard(full, mesh, placements) for full in full_outputs)
     if call.kind == "fill":
         local_template.copy_(local_outputs[0])
         return (local_template,)
     return local_outputs
+
+
+def _draw_run(
+    call: RandomCall, local_template: torch.Tensor, start: int, end: int, words: int, numel: int
+) -> tuple[torch.Tensor, ...]:
+    """Discard the words of the elements before ``start``, draw ``[start, end)``, discard the rest."""
+    _discard_words(words * start, call.generator)
+    outputs = _outputs(call.run(local_template, call.generator))
+    _discard_words(words * (numel - end), call.generator)
+    return outputs
+
+
+def _empty_in_layout(
+    shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """An empty tensor of ``shape`` whose dims lie in memory in the order ``stride`` gives them."""
+    order = sorted(range(len(shape)), key=lambda dim: -stride[dim])
+    outer_first = torch.empty([shape[dim] for dim in order], dtype=dtype, device=device)
+    return outer_first.permute([order.index(dim) for dim in range(len(shape))])
+
+
+def _draw_in_piece(
+    call: RandomCall,
+    piece: BatchPiece,
+    factor: int,
+    mesh: DeviceMesh | None,
+    placements: Sequence[Placement],
+    piece_shape: Sequence[int],
+    piece_stride: Sequence[int],
+    piece_template: Callable[[], torch.Tensor],
+    local_template: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """``draw_local`` for a tensor of ``piece_shape`` whose leading dim is ``factor`` rows per sample
+    of ``piece``: one device's tensor has ``total * factor`` rows, the piece's from ``start * factor``."""
+    first, last = piece.start * factor, (piece.start + piece.rows) * factor
+    whole_shape = (piece.total * factor, *piece_shape[1:])
+    if _sliceable_layout(piece_shape, piece_stride, local_template):
+        box = (
+            [(0, size) for size in piece_shape] if mesh is None else local_box(mesh, placements, piece_shape)
+        )
+        if box is not None:
+            whole_box = [(box[0][0] + first, box[0][1]), *box[1:]]
+            slice_run = _slice_run_of_box(call, whole_box, whole_shape, local_template)
+            if slice_run is not None:
+                (start, end), words = slice_run
+                return _draw_run(call, local_template, start, end, words, math.prod(whole_shape))
+    whole = _empty_in_layout(whole_shape, piece_stride, local_template.dtype, local_template.device)
+    if call.kind == "map":  # the op reads its input elementwise: the other rows' values do not matter
+        whole.zero_()
+        whole[first:last].copy_(piece_template())
+    outputs = [output[first:last] for output in _outputs(call.run(whole, call.generator))]
+    if mesh is not None:
+        outputs = [cut_local_shard(output, mesh, placements) for output in outputs]
+    if call.kind == "fill":
+        local_template.copy_(outputs[0])
+        return (local_template,)
+    return tuple(output.clone() for output in outputs)  # not views keeping the whole batch's tensor

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, cast
@@ -35,6 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from vescale.api._piece_random import PieceRandomness
 from vescale.api._recompute import repeated_blocks
 from vescale.api._token_weights import counts_tokens, loss_term_rule
 from vescale.api.errors import UnsupportedPlanError
@@ -70,6 +72,11 @@ def _split(batch: Mapping[str, Any], pieces: int) -> list[dict[str, Any]]:
         }
         for index in range(pieces)
     ]
+
+
+def _rows(batch: Mapping[str, Any]) -> int:
+    """The batch's rows (samples): the leading size of its first tensor with a dim (0 if none)."""
+    return next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
 
 
 def _concatenated(outputs: list[Any], loss: torch.Tensor) -> Any:
@@ -115,8 +122,12 @@ class ParallelizedModel(ModuleWrapper):
         self._counts_tokens = counts_tokens(user_model)
         # The batch is split over dp, and over ep too under expert parallelism.
         dims = tuple(dim for dim in ("dp", "ep") if dim in (mesh.mesh_dim_names or ()))
-        group, self._dp_size, _ = mesh_dims_group(mesh, dims)
+        group, self._dp_size, dp_rank = mesh_dims_group(mesh, dims)
         self._dp_group = group if self._dp_size > 1 else None
+        # Each piece of the global batch draws its rows of one device's random numbers (dropout).
+        self._randomness = PieceRandomness(
+            batch_rank=dp_rank, batch_ranks=self._dp_size, device_type=mesh.device_type
+        )
 
     def compile_module(self, *, per_block: bool = False) -> None:
         """Run the wrapped module under ``torch.compile`` from the next call on.
@@ -125,6 +136,8 @@ class ParallelizedModel(ModuleWrapper):
         ``nn.ModuleList``s, as torchtitan does) instead of the whole module; the code between
         blocks (embedding, final norm, head, loss) and the blocks' own dmodule hooks stay eager.
         """
+        # Compiled code generates its random numbers itself: a piece's dropout cannot be replayed.
+        self._randomness.enabled = False
         if not per_block:
             self.__dict__["_call_module"] = torch.compile(self.module)
             return
@@ -243,7 +256,15 @@ class ParallelizedModel(ModuleWrapper):
         return self._all_reduce(value)[0].to(weighted_local.dtype)
 
     def _forward_one(self, batch: dict[str, Any], terms: int, unweighted: bool) -> Any:
-        output = self._run(batch)
+        # The caller runs the backward: a recomputation by transformers' own gradient checkpointing
+        # would draw outside the piece's replay, unlike its forward; there each rank draws as before.
+        replayable = not (
+            torch.is_grad_enabled() and getattr(self.module, "is_gradient_checkpointing", False)
+        )
+        call = self._randomness.call(
+            training=self.training, rows_per_piece=_rows(batch) if replayable else 0, pieces=1
+        )
+        output = call.run_piece(0, lambda: self._run(batch), lambda _: None)
         loss = _loss_of(output)
         if loss is None:
             return output
@@ -268,11 +289,16 @@ class ParallelizedModel(ModuleWrapper):
         outputs: list[Any] = []
         weighted_sum: torch.Tensor | None = None
         training = torch.is_grad_enabled()
+        call = self._randomness.call(
+            training=self.training, rows_per_piece=_rows(micro_batches[0]), pieces=len(micro_batches)
+        )
         for index, (micro_batch, terms) in enumerate(zip(micro_batches, counts, strict=True)):
             last = index == len(micro_batches) - 1
-            with contextlib.nullcontext() if last or not training else _gradient_sync_paused(self.module):
-                output = self._run(micro_batch)
+            losses: list[torch.Tensor] = []
+
+            def backward(output: Any, terms: int = terms, losses: list[torch.Tensor] = losses) -> None:
                 weighted = _required_loss(output) * (terms / total)
+                losses.append(weighted.detach())
                 if training:
                     # torch leaves Tensor.backward unannotated.
                     (weighted * self._dp_size).backward()  # type: ignore[no-untyped-call]
@@ -280,8 +306,11 @@ class ParallelizedModel(ModuleWrapper):
                     # as one device's forward does once: a cached cast of a weight ZeRO-3 gathered
                     # again would send the next micro-batch's gradient past FSDP2's reduction.
                     torch.clear_autocast_cache()
+
+            with contextlib.nullcontext() if last or not training else _gradient_sync_paused(self.module):
+                output = call.run_piece(index, functools.partial(self._run, micro_batch), backward)
             outputs.append(output)
-            weighted = weighted.detach()
+            weighted = losses[-1]
             weighted_sum = weighted if weighted_sum is None else weighted_sum + weighted
         if weighted_sum is None:  # the batch splitter gives at least one micro-batch
             raise UnsupportedPlanError(

@@ -23,14 +23,16 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from vescale.api.errors import UnsupportedPlanError
+from vescale.dtensor.batch_random import BatchPiece, batch_piece_random, current_piece
 from vescale.planner.selective import selective_policy
 
 __all__ = ["checkpoint_repeated_blocks", "repeated_blocks"]
@@ -39,7 +41,10 @@ RECOMPUTE_MODES = ("full", "selective")
 
 
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    piece = current_piece()
+    if piece is None:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=_piece_contexts(piece, None), **kwargs)
 
 
 def _selective_contexts() -> Any:
@@ -48,7 +53,28 @@ def _selective_contexts() -> Any:
 
 
 def _selectively_checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
+    piece = current_piece()
+    context_fn = _selective_contexts if piece is None else _piece_contexts(piece, _selective_contexts)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _piece_contexts(piece: BatchPiece, inner: Callable[[], Any] | None) -> Callable[[], Any]:
+    """A ``context_fn`` whose recomputation draws random numbers as the forward did, for ``piece`` of
+    the global batch (:mod:`vescale.api._piece_random`): a backward the caller runs is outside the
+    piece's replay, which the recomputation enters again (inside it, entering adds nothing)."""
+
+    @contextlib.contextmanager
+    def recompute_in_piece(inner_recompute: Any) -> Iterator[None]:
+        with batch_piece_random(piece), inner_recompute:
+            yield
+
+    def contexts() -> tuple[Any, Any]:
+        forward_context, recompute_context = (
+            inner() if inner is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+        )
+        return forward_context, recompute_in_piece(recompute_context)
+
+    return contexts
 
 
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

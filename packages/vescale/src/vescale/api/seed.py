@@ -15,19 +15,23 @@ __all__ = ["manual_seed"]
 
 
 def manual_seed(seed: int) -> None:
-    """Seed every rank so that random ops give single-device values: initialisation, and ops on
-    DTensors (tensor-parallel activations: dropout there too).
+    """Seed every rank so that random ops give single-device values: initialisation, ops on
+    DTensors (tensor-parallel activations: dropout there too), and, on CPU, dropout on a piece
+    of the global batch (a dp rank's rows, a micro-batch).
 
     Call it with the same ``seed`` on every rank, where one process would call
-    ``torch.manual_seed``. Not covered: the batch split. A data-parallel rank's activations (or
-    a micro-batch's) hold only its rows, and a random op on them (dropout) draws as for those
-    rows alone, tensor-parallel or not, so its mask is not the one a single device draws for
-    those rows of the global batch (and every dp rank draws the same masks).
+    ``torch.manual_seed``. A forward on some rows of the global batch draws those rows of the
+    masks one device draws for the whole batch (:mod:`vescale.dtensor.batch_random`), and every
+    rank's generator ends where one device's would. Not covered, each piece drawing for its own
+    rows as if they were the whole batch: a pipeline's micro-batches, ``compile=True``, CUDA
+    (its Philox generator cannot skip to a piece's rows: each rank would draw the whole global
+    batch's masks), and ``transformers``' own gradient checkpointing in a call of one piece
+    (``micro_batch_size`` = the rank's rows) whose backward the caller runs.
 
     Example::
 
         vescale.manual_seed(0)
-        model = vescale.deferred_init(LlamaForCausalLM, config)
-        out = model(**batch)   # under tensor parallelism: dropout masks equal to one process's
+        model = vescale.deferred_init(GPT2LMHeadModel, config)     # dropout 0.1 by default
+        out = model(**batch)   # under dp x tp on CPU: dropout masks equal to one process's
     """
     _dtensor_manual_seed(seed)

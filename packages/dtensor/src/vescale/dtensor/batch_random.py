@@ -1,0 +1,132 @@
+"""Random numbers of one device for a piece of the global batch (a dp rank's rows, a micro-batch).
+
+One device runs a random op (dropout) on the whole batch's activation: a global-batch-shaped
+draw. A data-parallel rank or a micro-batch holds only some rows of it and, left alone, draws as
+if they were the whole batch, so its masks are not the single device's (and every dp rank draws
+the same ones). Under :func:`batch_piece_random`, every random op whose tensor's leading dim is a
+multiple of the piece's rows (``(batch, ...)``, ``(batch * seq, ...)``, ``(batch * heads, ...)``)
+gives those rows of the single-device draw and moves the generator as the whole-batch draw does:
+on plain tensors through a dispatch mode, on DTensors (tensor-parallel activations) through
+``vescale.dtensor.random``'s handlers. Each piece must start from the generator state the whole
+batch's forward started from (the caller resets it; ``vescale.parallelize`` does).
+
+A tensor whose leading dim is not a multiple of the piece's rows is drawn as it is (as one
+device draws a tensor that is not batch-major); one that is a multiple but not batch-major
+(sequence-first activations, or any tensor when a piece has one row) is read as batch-major.
+Ops covered: those of ``vescale.dtensor.random`` (``bernoulli_``, which CPU dropout runs,
+``native_dropout``, the in-place fills, ``*_like``) and the ``rand``/``randn`` factories.
+
+Example::
+
+    state = torch.get_rng_state()
+    for index, micro_batch in enumerate(micro_batches):        # 2 rows each of a global batch of 8
+        torch.set_rng_state(state)
+        with batch_piece_random(BatchPiece(start=2 * index, rows=2, total=8)):
+            model(**micro_batch).loss.backward()                # dropout: rows of one device's masks
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
+
+from vescale.dtensor import _compat
+from vescale.dtensor._batch_piece import BatchPiece, current_piece, set_current_piece
+from vescale.dtensor._random_ops import RANDOM_OP_KINDS, register_random_ops
+from vescale.dtensor._random_strategy import RandomCall, draw_local
+
+__all__ = ["BatchPiece", "BatchPieceRandom", "batch_piece_random", "current_piece"]
+
+aten = torch.ops.aten
+
+_FACTORIES = (aten.rand.default, aten.rand.generator, aten.randn.default, aten.randn.generator)
+
+
+class BatchPieceRandom:
+    """What :func:`batch_piece_random` yields: ``random_ops``, the random ops run so far under it."""
+
+    def __init__(self, piece: BatchPiece) -> None:
+        self.piece = piece
+        self.random_ops = 0
+
+
+@contextlib.contextmanager
+def batch_piece_random(piece: BatchPiece) -> Iterator[BatchPieceRandom]:
+    """Run a forward (and its backward, whose recomputed blocks draw again) as ``piece`` of the batch.
+
+    Entered again with the piece already current (a recomputation inside the piece's own
+    backward), it adds nothing.
+
+    Example::
+
+        with batch_piece_random(BatchPiece(start=4, rows=4, total=8)) as replay:   # dp rank 1 of 2
+            loss = model(**batch).loss
+        replay.random_ops   # 0: the forward drew no random numbers
+    """
+    record = BatchPieceRandom(piece)
+    if current_piece() == piece:
+        yield record
+        return
+    register_random_ops()
+    previous = set_current_piece(piece)
+    try:
+        with _replay_mode_class()(record):
+            yield record
+    finally:
+        set_current_piece(previous)
+
+
+def _run_plain(
+    record: BatchPieceRandom, func: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    call_kwargs = dict(kwargs)
+    generator = call_kwargs.pop("generator", None)
+    if kind == "factory":
+        dtype = call_kwargs.get("dtype") or torch.get_default_dtype()
+        device = call_kwargs.get("device") or torch.device("cpu")
+        template = torch.empty(list(args[0]), dtype=dtype, device=device)
+    else:
+        template = args[0]
+    shape = tuple(template.shape)
+    if template.is_meta or not shape or record.piece.rows_factor(shape[0]) is None:
+        return func(*args, **kwargs)
+    call = RandomCall(func, kind, tuple(args[1:]), call_kwargs, generator)
+    outputs = draw_local(call, None, (), shape, template.stride(), lambda: template, template)
+    if kind == "fill":
+        return args[0]
+    return outputs if len(outputs) > 1 else outputs[0]
+
+
+@functools.cache
+def _replay_mode_class() -> type:
+    """The dispatch mode of a piece (its base class is private, hence built on first use)."""
+
+    if TYPE_CHECKING:
+        from vescale.dtensor._compat import TorchDispatchMode as _DispatchModeBase
+    else:
+        _DispatchModeBase = _compat.torch_dispatch_mode_class()
+
+    class BatchPieceRandomMode(_DispatchModeBase):
+        def __init__(self, record: BatchPieceRandom) -> None:
+            super().__init__()
+            self.record = record
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        ) -> Any:
+            kwargs = kwargs or {}
+            kind = "factory" if func in _FACTORIES else RANDOM_OP_KINDS.get(func)
+            if kind is None:
+                return func(*args, **kwargs)
+            self.record.random_ops += 1
+            if any(isinstance(leaf, DTensor) for leaf in tree_flatten((args, kwargs))[0]):
+                return func(*args, **kwargs)  # vescale.dtensor.random's handler reads the current piece
+            return _run_plain(self.record, func, kind, args, kwargs)
+
+    return BatchPieceRandomMode

@@ -225,3 +225,25 @@ def test_recomputation_is_chosen_in_order_none_selective_full_as_the_budget_shri
     assert list(chosen.values()) == ["none", "selective", "full"]
     plan = generate_plan(llama, {**sizes, "memory_per_device_gb": (none - 1) / _GIB}, world_size=1)
     assert "backward recomputes no matmul" in dict(plan.reasons)["activation_checkpointing"]
+
+
+def _question_answering_llama():
+    import transformers
+
+    from vescale.dtensor.testing.models.tiny_hf import tiny_hf_config
+
+    return transformers.LlamaForQuestionAnswering(tiny_hf_config("llama"))
+
+
+def test_a_model_whose_output_a_pipeline_cannot_return_is_never_given_one(llama):
+    """A question-answering head returns start and end logits, which a pipeline cannot return (dpipe
+    refuses it at parallelize). Where a language model's only plan is a pipeline, the planner finds
+    none for it; a pipeline constraint is refused at once, naming the output type."""
+    only_pipeline = {"tensor_parallel.size": 1, "data_parallel.size": 1, "sequence_length": 8}
+    assert generate_plan(llama, only_pipeline, world_size=2).mesh_size("pp") == 2
+    qa_model = _question_answering_llama()
+    with pytest.raises(ConstraintError):
+        generate_plan(qa_model, only_pipeline, world_size=2)
+    with pytest.raises(ConstraintError, match="returns QuestionAnsweringModelOutput, which has no `loss`"):
+        generate_plan(qa_model, {"pipeline_parallel.size": 2, "sequence_length": 8}, world_size=2)
+    assert generate_plan(qa_model, {"sequence_length": 8}, world_size=2).mesh_size("pp") == 1

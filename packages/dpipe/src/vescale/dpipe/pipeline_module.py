@@ -47,29 +47,42 @@ from vescale.dpipe.stage_inputs import StageInputs, find_stage_inputs
 from vescale.dpipe.stage_module import PipelineStageModule, StageRouter
 from vescale.dpipe.tracing import ModelTrace, default_example_batch, no_cache_kwargs, trace_model
 
-__all__ = ["ModuleWrapper", "PipelineModule", "pipeline_parallelize"]
+__all__ = ["ModuleWrapper", "PipelineModule", "pipeline_parallelize", "rebuilds_output"]
 
 # The dtypes a loss may have; the broadcast of the loss carries the index of its own.
 _LOSS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def rebuilds_output(output_type: type) -> bool:
+    """Whether a pipeline can return a model's output of ``output_type``: one that takes ``loss`` and
+    ``logits`` (a language model's ``CausalLMOutput``, a classifier's ``SequenceClassifierOutput``).
+
+    Example::
+
+        rebuilds_output(CausalLMOutputWithPast)          # True
+        rebuilds_output(QuestionAnsweringModelOutput)    # False: start and end logits
+    """
+    try:
+        output_type(loss=None, logits=None)  # what PipelineModule.forward builds, empty
+    except TypeError:
+        return False
+    return True
 
 
 def _check_output_type(model: nn.Module, output_type: type) -> None:
     """Refuse, on every rank before any stage runs, a model whose output the pipeline cannot rebuild.
 
     The pipeline returns the model's own output type holding the loss and the logits the last
-    stage computed (a language model's ``CausalLMOutput``, a classifier's ``SequenceClassifierOutput``);
-    a ``QuestionAnsweringModelOutput`` (start and end logits) or a plain tuple has no such fields,
-    and failed on the last stage only, after the first ranks had started the schedule.
+    stage computed; a ``QuestionAnsweringModelOutput`` (start and end logits) or a plain tuple has
+    no such fields, and failed on the last stage only, after the first ranks had started the schedule.
     """
-    try:
-        output_type(loss=None, logits=None)  # what PipelineModule.forward builds, empty
-    except TypeError:
+    if not rebuilds_output(output_type):
         fields = list(getattr(output_type, "__dataclass_fields__", {})) or "none named"
         raise PipelinePlanError(
             f"{type(model).__name__} returns {output_type.__name__} (fields: {fields}), but a pipeline "
             "returns the model's loss and logits: it runs models whose output has `loss` and `logits` "
             "(language models, sequence and token classifiers); use a plan without pipeline_parallel"
-        ) from None
+        )
 
 
 def _loss_of_last_stage(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:

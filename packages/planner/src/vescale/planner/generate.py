@@ -143,6 +143,7 @@ def generate_plan(
             model, *default_sequence_length(model)
         )
         profiles = {1: profile}
+    _check_pipeline_output(model, constraints, profiles[1])
     # ZeRO-1/2's publish needs no gather buffers on gloo (CPU ranks).
     in_place = publishes_in_place(hardware_profile.name if hardware_profile is not None else None)
     if hardware_profile is None:
@@ -209,6 +210,18 @@ def _check_this_machine_has(world_size: int) -> None:
         )
 
 
+def _check_pipeline_output(model: nn.Module, constraints: Constraints, profile: ModelProfile) -> None:
+    """Refuse a pipeline constraint for a model whose output a pipeline cannot return."""
+    split_points = constraints.pipeline_parallel_split_points
+    pipelined = (constraints.pipeline_parallel_size or 1) > 1 or bool(split_points)
+    if pipelined and not profile.pipelinable_output:
+        raise ConstraintError(
+            f"{type(model).__name__} returns {profile.output_type_name}, which has no `loss` and `logits` "
+            "for a pipeline to return (question-answering heads, bare tensors); drop the "
+            "pipeline_parallel constraints: the planner then uses tensor and data parallelism"
+        )
+
+
 def _rule_based_choice(
     model: nn.Module,
     constraints: Constraints,
@@ -231,7 +244,14 @@ def _rule_based_choice(
     plans = {False: auto.plan, True: auto.plan} if auto else {}
     smallest = None
     for tp, pp, dp, ep, recompute, zero in _rule_order(
-        model, constraints, world_size, per_node, auto, profiles[1].num_blocks, checkpointing, zero_stages
+        model,
+        constraints,
+        world_size,
+        per_node,
+        auto,
+        profiles[1].pipeline_stage_limit,
+        checkpointing,
+        zero_stages,
     ):
         split = batches(constraints, dp * ep, pp)
         layout = candidate_layout(

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vescale.dmodule.example_labels import example_labels
 from vescale.dmodule.experts import find_moe_blocks
+from vescale.dpipe.pipeline_module import rebuilds_output
 from vescale.dtensor.deferred.fake_values import FakeValuePolicy
 from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
 from vescale.planner.errors import PlanError
@@ -82,6 +83,16 @@ class ModelProfile:
     expert_top_k: int = 0
     # The FQN of the block list (``model.layers``): pipeline split points name its members.
     blocks_fqn: str = ""
+    # The class of the model's output, and whether a pipeline can return it (it takes a loss and
+    # logits: not a question-answering head's start and end logits, nor a bare tensor).
+    output_type_name: str = ""
+    pipelinable_output: bool = True
+
+    @property
+    def pipeline_stage_limit(self) -> int:
+        """The most pipeline stages a plan may cut the model into: one per block, or one when a
+        pipeline cannot return its output."""
+        return self.num_blocks if self.pipelinable_output else 1
 
 
 def find_repeated_blocks(model: nn.Module, ran: Collection[str] | None = None) -> tuple[str, list[nn.Module]]:
@@ -355,4 +366,6 @@ def profile_model(model: nn.Module, sequence_length: int, micro_batch_size: int 
         op_costs=tuple(costs),
         expert_top_k=max((block.top_k or 1 for block in find_moe_blocks(model)), default=0),
         blocks_fqn=blocks_fqn,
+        output_type_name=type(outputs).__name__,
+        pipelinable_output=rebuilds_output(type(outputs)),
     )

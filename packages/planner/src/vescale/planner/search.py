@@ -275,7 +275,9 @@ def _sizes_with_experts(
     refused: ConstraintError | None = None
     for ep in expert_sizes:
         try:
-            split = parallel_sizes(world_size // ep, constraints, per_node, head_counts, profile.num_blocks)
+            split = parallel_sizes(
+                world_size // ep, constraints, per_node, head_counts, profile.pipeline_stage_limit
+            )
         except ConstraintError as error:
             refused = refused or error
             continue

@@ -41,6 +41,7 @@ from vescale.dpipe.errors import (
 from vescale.dpipe.finished_loss import loss_with_backward_done
 from vescale.dpipe.gradients import data_parallel_sync_deferred, finish_pipeline_gradients, tied_parameters
 from vescale.dpipe.plan import PipelinePlan
+from vescale.dpipe.random_carry import GeneratorCarry, micro_batch_pieces
 from vescale.dpipe.schedules import build_schedule, local_stage_indices
 from vescale.dpipe.split import StageLayout, split_model
 from vescale.dpipe.stage_inputs import StageInputs, find_stage_inputs
@@ -160,11 +161,27 @@ class PipelineModule(ModuleWrapper):
         # The MoE load-balancing loss of transformers needs every layer's router statistics.
         router_statistics = carry_router_statistics(model)
         carries = (router_statistics,) if router_statistics is not None else ()
+        # Each stage draws one device's random numbers (dropout) where its forward draws any (CPU).
+        self._generator_carries = (
+            {index: GeneratorCarry(router) for index in self.stage_indices}
+            if trace.random_ops and self.device.type == "cpu"
+            else {}
+        )
         self._stage_modules = [
-            PipelineStageModule(model, router, index, model_kwargs, self.activation_meter, carries)
+            PipelineStageModule(
+                model,
+                router,
+                index,
+                model_kwargs,
+                self.activation_meter,
+                (*carries, self._generator_carries[index]) if self._generator_carries else carries,
+            )
             for index in self.stage_indices
         ]
         self._schedules: dict[tuple[Any, ...], Any] = {}
+        # Where this rank's batch lies in the global batch (set_global_batch): its own by default.
+        self._global_batch: tuple[int, int] | None = None
+        self.replays_random_numbers = bool(self._generator_carries)
         self._anchor = torch.zeros((), requires_grad=True)
 
     def forward(self, **batch: Any) -> Any:
@@ -178,15 +195,25 @@ class PipelineModule(ModuleWrapper):
             )
         training = self.training and torch.is_grad_enabled()
         has_labels = batch.get("labels") is not None
+        schedules_before = len(self._schedules)
         schedule = self._schedule(batch, training, has_labels)
+        replaying = self._begin_random_replay(
+            batch_size, fresh_schedule=len(self._schedules) > schedules_before
+        )
         losses: list[torch.Tensor] = []
         target = torch.zeros(batch_size, 1) if has_labels else None
         for module in self._stage_modules:
             module.logits.clear()
         run = schedule.step if training else schedule.eval
         self.activation_meter.reset_peak()
-        with data_parallel_sync_deferred(self), _reentrant_checkpointing_named(self.module):
-            run(**batch, target=target, losses=losses if has_labels else None, return_outputs=False)
+        try:
+            with data_parallel_sync_deferred(self), _reentrant_checkpointing_named(self.module):
+                run(**batch, target=target, losses=losses if has_labels else None, return_outputs=False)
+        finally:
+            for carry in self._generator_carries.values():
+                carry.end_step()
+        if replaying:
+            self._take_last_stages_generator_state()
         if training and has_labels:
             finish_pipeline_gradients(
                 self.module.parameters(),
@@ -205,6 +232,38 @@ class PipelineModule(ModuleWrapper):
             # A new schedule's first step also runs PyTorch's shape-inference forward: keep the last m.
             logits = torch.cat(last_stage_module.logits[-self.plan.microbatch_count :])
         return self._output_type(loss=loss, logits=logits)
+
+    def set_global_batch(self, first_row: int, total_rows: int) -> None:
+        """The next calls' batches are rows ``[first_row, first_row + rows)`` of a global batch of
+        ``total_rows`` (a data-parallel rank's share): their random draws are those rows of one
+        device's (:mod:`vescale.dpipe.random_carry`).
+
+        Example::
+
+            pipe.set_global_batch(first_row=4, total_rows=8)   # dp rank 1 of 2, 4 rows each
+        """
+        self._global_batch = (first_row, total_rows)
+
+    def _begin_random_replay(self, batch_size: int, *, fresh_schedule: bool) -> bool:
+        """Start each local stage's generator carry for this call; whether it replays."""
+        if not (self.replays_random_numbers and self.training):
+            return False
+        first_row, total_rows = self._global_batch or (0, batch_size)
+        pieces = micro_batch_pieces(first_row, batch_size, total_rows, self.plan.microbatch_count)
+        step_state = torch.get_rng_state()
+        for carry in self._generator_carries.values():
+            carry.begin_step(pieces, step_state, skip_calls=1 if fresh_schedule else 0)
+        return True
+
+    def _take_last_stages_generator_state(self) -> None:
+        """Every pp rank continues from where one device's forward ends: the last stage's end state."""
+        last_stage = self.plan.num_stages - 1
+        carry = self._generator_carries.get(last_stage)
+        state = torch.get_rng_state()
+        if carry is not None and carry.end_state is not None:
+            state = carry.end_state.clone()
+        dist.broadcast(state, group=self.pp_group, group_src=_stage_rank(self.plan, last_stage))
+        torch.set_rng_state(state)
 
     def _without_fixed_arguments(self, batch: dict[str, Any]) -> dict[str, Any]:
         """``batch`` less the arguments every stage passes the model itself (``use_cache=False``).

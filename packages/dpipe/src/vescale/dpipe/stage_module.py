@@ -124,6 +124,9 @@ class StageRouter:
         # and those of its own units that a later stage needs (recorded as they run).
         self.received_outputs: dict[str, Any] = {}
         self.recorded_outputs: dict[str, Any] = {}
+        # Called once where a later stage's own part of the forward begins (its received hidden
+        # state swapped in): the code before it re-runs earlier stages' glue on stand-ins.
+        self.on_stage_entry: Callable[[], None] | None = None
         for unit_fqn, stage_index in layout.unit_stage.items():
             unit = model.get_submodule(unit_fqn)
             self._gate(unit_fqn, unit, stage_index, trace.output_lengths.get(unit_fqn))
@@ -203,6 +206,9 @@ class StageRouter:
             if self.active_stage == boundary_index:
                 raise _StageExit(_hidden_state_of(boundary_fqn, args, kwargs))
             if self.active_stage == boundary_index + 1:
+                if self.on_stage_entry is not None:
+                    entered, self.on_stage_entry = self.on_stage_entry, None
+                    entered()
                 if args and isinstance(args[0], torch.Tensor):
                     return (self.received, *args[1:]), kwargs
                 _hidden_state_of(boundary_fqn, args, kwargs)

@@ -27,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from vescale.dpipe import _compat
 from vescale.dpipe.errors import PipelineCutError
+from vescale.dtensor.batch_random import count_random_ops
 from vescale.dtensor.deferred.fake_values import FakeValuePolicy
 from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
 
@@ -56,6 +57,8 @@ class ModelTrace:
     # Modules whose first call ran inside a custom autograd Function's forward, and that Function
     # (Reformer's reversible layers: one Function runs every block and recomputes them in backward).
     inside_autograd_function: dict[str, str] = field(default_factory=dict)
+    # Random ops the forward ran (dropout in training mode): each stage then replays one device's.
+    random_ops: int = 0
 
 
 def default_example_batch(
@@ -120,7 +123,7 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
     try:
         with shapes_only_pass():
             fake_batch = {name: _to_fake(value) for name, value in example_batch.items()}
-            with flop_counter, parameter_uses:
+            with flop_counter, parameter_uses, count_random_ops() as counted:
                 output = model(**fake_batch, **no_cache_kwargs(model))
     except Exception as error:
         raise PipelineCutError(
@@ -141,6 +144,7 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
         call_counts,
         parameter_uses.uses,
         inside_autograd_function,
+        counted.random_ops,
     )
 
 

@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from vescale.api._piece_random import PieceRandomness
+from vescale.api._piece_random import PieceRandomness, warn_unreplayed_draws
 from vescale.api._recompute import repeated_blocks
 from vescale.api._token_weights import counts_tokens, loss_term_rule
 from vescale.api.errors import UnsupportedPlanError
@@ -48,6 +48,8 @@ from vescale.dpipe.pipeline_module import ModuleWrapper
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
+
+    from vescale.dpipe.pipeline_module import PipelineModule
 
 __all__ = ["ParallelizedModel"]
 
@@ -137,7 +139,7 @@ class ParallelizedModel(ModuleWrapper):
         blocks (embedding, final norm, head, loss) and the blocks' own dmodule hooks stay eager.
         """
         # Compiled code generates its random numbers itself: a piece's dropout cannot be replayed.
-        self._randomness.enabled = False
+        self._randomness.off_reason = "in a compiled module (compiled code draws its own random numbers)"
         if not per_block:
             self.__dict__["_call_module"] = torch.compile(self.module)
             return
@@ -258,11 +260,14 @@ class ParallelizedModel(ModuleWrapper):
     def _forward_one(self, batch: dict[str, Any], terms: int, unweighted: bool) -> Any:
         # The caller runs the backward: a recomputation by transformers' own gradient checkpointing
         # would draw outside the piece's replay, unlike its forward; there each rank draws as before.
-        replayable = not (
-            torch.is_grad_enabled() and getattr(self.module, "is_gradient_checkpointing", False)
-        )
+        hf_recompute = torch.is_grad_enabled() and getattr(self.module, "is_gradient_checkpointing", False)
         call = self._randomness.call(
-            training=self.training, rows_per_piece=_rows(batch) if replayable else 0, pieces=1
+            training=self.training,
+            rows_per_piece=_rows(batch),
+            pieces=1,
+            off_reason="under transformers' gradient checkpointing with one micro-batch per rank"
+            if hf_recompute
+            else None,
         )
         output = call.run_piece(0, lambda: self._run(batch), lambda _: None)
         loss = _loss_of(output)
@@ -335,7 +340,20 @@ class ParallelizedModel(ModuleWrapper):
                 "would differ from one device; pad every micro-batch alike or use a plan without "
                 "pipeline_parallel"
             )
+        pipeline = cast("PipelineModule", self.module)
+        rows = _rows(batch)
+        pipeline.set_global_batch(self._randomness.batch_rank * rows, rows * self._dp_size)
+        # Each stage replays one device's draws on CPU (vescale.dpipe.random_carry), not compiled.
+        pipeline.replays_random_numbers = (
+            pipeline.replays_random_numbers and self._randomness.off_reason is None
+        )
+        states = torch.get_rng_state()
         output = self._run(batch)
+        if not pipeline.replays_random_numbers and not torch.equal(states, torch.get_rng_state()):
+            warn_unreplayed_draws(
+                "under a pipeline (vescale.dpipe) "
+                + (self._randomness.off_reason or "whose trace found no random op")
+            )
         loss = _required_loss(output)
         return _with_loss(output, loss_with_backward_done(loss, self._global_loss(loss / self._dp_size)))
 

@@ -14,8 +14,9 @@ its random ops; later calls run under it only if that count was not zero. If a f
 without it moves the generator after all (dropout switched on later), that piece's forward runs
 again under it (its output is dropped; a second forward of that piece, once).
 
-Not covered (each piece draws as before, for its own rows): a pipeline's micro-batches (each
-stage runs only its layers, so the others' draws are not known to it), compiled modules (the
+A pipeline replays its stages' micro-batches itself (:mod:`vescale.dpipe.random_carry`); this
+module gives it the rank's rows in the global batch. Not covered (each piece draws as before,
+for its own rows, and :func:`warn_unreplayed_draws` says so once): compiled modules (the
 compiler generates its random numbers itself), a single-piece call whose backward the caller
 runs through ``transformers``' own gradient checkpointing (its recomputation cannot be run
 under the mode), and devices whose generator cannot skip to a piece's rows (CUDA's Philox:
@@ -30,14 +31,39 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from vescale.api.errors import NotSingleDeviceWarning
 from vescale.dtensor.batch_random import BatchPiece, batch_piece_random
 
-__all__ = ["PieceCall", "PieceRandomness"]
+__all__ = ["PieceCall", "PieceRandomness", "warn_unreplayed_draws"]
+
+# The reasons already warned of in this process (once each).
+_WARNED: set[str] = set()
+
+
+def warn_unreplayed_draws(reason: str) -> None:
+    """Warn, once per ``reason`` in a process, that a cut batch's random draws are not one device's.
+
+    Example::
+
+        warn_unreplayed_draws("under a pipeline")
+    """
+    if reason in _WARNED:
+        return
+    _WARNED.add(reason)
+    warnings.warn(
+        f"the forward drew random numbers (dropout) on a piece of the global batch {reason}: each piece "
+        "drew them for its own rows as if they were the whole batch, so its masks are not one device's "
+        "and losses and gradients differ from a single-device run by that randomness; set the model's "
+        "dropout to 0 to compare with one device (vescale.manual_seed lists what is covered)",
+        NotSingleDeviceWarning,
+        stacklevel=4,
+    )
 
 
 def _generator_states(device_type: str) -> tuple[torch.Tensor, ...]:
@@ -67,40 +93,58 @@ class PieceRandomness:
         self.device_type = device_type
         # None: not known yet; True: the forward draws random numbers; False: it does not.
         self.draws: dict[bool, bool | None] = {True: None, False: None}
-        # CPU's generator is a word stream a piece can skip through (its rows' words only). A
-        # counter-based one (CUDA's Philox) gives a piece its rows only from the whole batch's
-        # draw: dp x micro-batches times the mask's memory on every rank, which a large dp
-        # cannot hold; there each piece draws for its own rows, as before.
-        self.enabled = device_type == "cpu"
+        # Why the replay is off (None: it is on). CPU's generator is a word stream a piece can
+        # skip through (its rows' words only). A counter-based one (CUDA's Philox) gives a piece
+        # its rows only from the whole batch's draw: dp x micro-batches times the mask's memory on
+        # every rank, which a large dp cannot hold; there each piece draws for its own rows.
+        self.off_reason: str | None = (
+            None
+            if device_type == "cpu"
+            else f"on {device_type}, whose generator cannot skip to a piece's rows"
+        )
 
-    def call(self, *, training: bool, rows_per_piece: int, pieces: int) -> PieceCall:
-        """One call of the model on this rank's ``rows_per_piece * pieces`` rows, cut into ``pieces``."""
+    def call(
+        self, *, training: bool, rows_per_piece: int, pieces: int, off_reason: str | None = None
+    ) -> PieceCall:
+        """One call of the model on this rank's ``rows_per_piece * pieces`` rows, cut into ``pieces``
+        (``off_reason``: why this call cannot be replayed, if it cannot)."""
         rank_rows = rows_per_piece * pieces
         total = rank_rows * self.batch_ranks
-        cut = self.enabled and total > rows_per_piece
+        reason = off_reason or self.off_reason
+        if total <= rows_per_piece:  # the whole global batch in one piece: nothing to replay
+            return PieceCall(self, training, None, None)
+        if reason is not None:
+            return PieceCall(self, training, None, reason)
         first = self.batch_rank * rank_rows
-        return PieceCall(
-            self,
-            training,
-            [BatchPiece(first + index * rows_per_piece, rows_per_piece, total) for index in range(pieces)]
-            if cut
-            else None,
-        )
+        pieces_of_call = [
+            BatchPiece(first + index * rows_per_piece, rows_per_piece, total) for index in range(pieces)
+        ]
+        return PieceCall(self, training, pieces_of_call, None)
 
 
 class PieceCall:
     """One call's pieces and the generator state its forward started from."""
 
-    def __init__(self, owner: PieceRandomness, training: bool, pieces: list[BatchPiece] | None) -> None:
+    def __init__(
+        self,
+        owner: PieceRandomness,
+        training: bool,
+        pieces: list[BatchPiece] | None,
+        off_reason: str | None,
+    ) -> None:
         self.owner = owner
         self.training = training
         self.pieces = pieces
-        self.start_states = _generator_states(owner.device_type) if pieces is not None else ()
+        self.off_reason = off_reason
+        watched = pieces is not None or off_reason is not None
+        self.start_states = _generator_states(owner.device_type) if watched else ()
 
     def run_piece(self, index: int, forward: Callable[[], Any], then: Callable[[Any], None]) -> Any:
         """``then(forward())`` for piece ``index``, its random ops drawn as one device draws them."""
         if self.pieces is None:
             output = forward()
+            if self.off_reason is not None and _moved(self.start_states, self.owner.device_type):
+                warn_unreplayed_draws(self.off_reason)
             then(output)
             return output
         draws = self.owner.draws[self.training]

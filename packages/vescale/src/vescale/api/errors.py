@@ -11,6 +11,7 @@ Example::
 from __future__ import annotations
 
 __all__ = [
+    "NotSingleDeviceWarning",
     "ParallelizeError",
     "PlanMismatchError",
     "UnsupportedPlanError",
@@ -37,3 +38,8 @@ class PlanMismatchError(ParallelizeError):
 
 class UnsupportedPlanError(ParallelizeError):
     """The plan combines features that this version cannot run together yet (the message says which)."""
+
+
+class NotSingleDeviceWarning(UserWarning):
+    """A run computes other numbers than one device would, where veScale cannot avoid it (the
+    message says what differs, where, and how to compare with one device)."""

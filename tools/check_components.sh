@@ -81,6 +81,6 @@ for component in "${components[@]}"; do
         continue
     fi
     say "$distribution alone: running packages/$component/tests"
-    "$env/bin/python" -m pytest -n "${VESCALE_TEST_WORKERS:-2}" --dist loadfile "packages/$component/tests"
+    "$env/bin/python" -m pytest -n "${VESCALE_TEST_WORKERS:-2}" --dist loadfile --durations=0 --durations-min=5 "packages/$component/tests"
 done
 say "each package installs alone and passes its tests: ${components[*]}"

@@ -18,6 +18,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 venv_program python
 if [[ $# -eq 0 ]]; then
     bash tools/check_components.sh
-    exec "$program" -m pytest -n "${VESCALE_TEST_WORKERS:-2}" --dist loadfile packages/vescale/tests
+    exec "$program" -m pytest -n "${VESCALE_TEST_WORKERS:-2}" --dist loadfile --durations=0 --durations-min=5 packages/vescale/tests
 fi
 exec "$program" -m pytest -n "${VESCALE_TEST_WORKERS:-2}" --dist loadfile "$@"

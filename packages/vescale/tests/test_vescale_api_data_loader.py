@@ -166,6 +166,44 @@ def test_resume_mid_epoch_under_dp2_then_dp4_continues_the_global_sequence(kind)
         assert (json.loads(state)["epoch"], json.loads(state)["batches_consumed"]) == (3, 0)
 
 
+def _generator_after_each_epoch_start(resume_mid_epoch: bool) -> list[torch.Tensor]:
+    """The default generator's state right after ``iter(loader)`` of two epochs (resumed one
+    batch into the first, if asked: the rest of that epoch, then the next one)."""
+    mesh = init_mesh(dp=2)
+    loader = DistributedDataLoader(TokenDataset(8), mesh, global_batch_size=4)
+    if resume_mid_epoch:
+        next(iter(loader))
+        saved = loader.state_dict()
+        loader = DistributedDataLoader(TokenDataset(8), mesh, global_batch_size=4)
+        loader.load_state_dict(saved)
+    torch.manual_seed(0)
+    states = []
+    for _ in range(2):
+        batches = iter(loader)
+        states.append(torch.get_rng_state())
+        list(batches)
+    return states
+
+
+def test_an_epoch_start_draws_from_the_default_generator_as_torch_dataloader_does():
+    # A model's dropout after iter(loader) must draw what the single-device loop over torch's
+    # DataLoader draws; torch's iter() draws one number (its workers' base seed).
+    torch.manual_seed(0)
+    expected = []
+    for _ in range(2):
+        batches = iter(DataLoader(TokenDataset(8), batch_size=4))
+        expected.append(torch.get_rng_state())
+        list(batches)
+    assert not torch.equal(expected[0], torch.manual_seed(0).get_state())
+    for states in run_on_ranks(_generator_after_each_epoch_start, world_size=2, args=(False,)):
+        assert all(torch.equal(got, want) for got, want in zip(states, expected, strict=True))
+    # Resumed one batch into an epoch: the uninterrupted loop draws nothing there, so neither does
+    # the resumed one; the next epoch's start draws one number.
+    for states in run_on_ranks(_generator_after_each_epoch_start, world_size=2, args=(True,)):
+        assert torch.equal(states[0], torch.manual_seed(0).get_state())
+        assert torch.equal(states[1], expected[0])
+
+
 def _error_case(case: str) -> None:
     mesh = init_mesh(dp=2)
     if case == "indivisible_global_batch":

@@ -10,6 +10,11 @@ Map-style datasets are indexed: each rank fetches only its own rows. An iterable
 index, so every rank reads the whole stream and keeps its slice (``d`` times the reading of one
 process), and resuming mid-epoch re-reads the part of the epoch already consumed.
 
+Random numbers are those of the single-device loop too: ``iter(loader)`` at an epoch's start
+draws one number from the default generator, as ``iter(torch.utils.data.DataLoader(...))`` does,
+so a model's dropout after it draws what one device draws (``shuffle=True`` orders each epoch
+from ``seed`` and the epoch, on a generator of its own).
+
 The position (epoch, batches consumed) is a JSON-able ``state_dict()``; ``iter(loader)`` starts
 where the position is, so a loop over the loader after ``load_state_dict`` continues at the next
 global batch, under any dp size.
@@ -202,7 +207,18 @@ class DistributedDataLoader:
             yield batch
 
     def __iter__(self) -> Iterator[Any]:
-        """Yield this rank's collated slice of each remaining global batch of the current epoch."""
+        """This rank's collated slice of each remaining global batch of the current epoch.
+
+        Starting an epoch draws one number from the default generator, as ``iter()`` of a
+        ``torch.utils.data.DataLoader`` does (its workers' base seed): the random numbers a model
+        draws afterwards (dropout) are then those of the single-device loop. Resuming mid-epoch
+        draws nothing, as the uninterrupted loop drew nothing there.
+        """
+        if self.batches_consumed == 0:
+            torch.empty((), dtype=torch.int64).random_()
+        return self._rows_of_epoch()
+
+    def _rows_of_epoch(self) -> Iterator[Any]:
         version = self._position_version
         batches = self._global_batches()
         upcoming = next(batches, None)

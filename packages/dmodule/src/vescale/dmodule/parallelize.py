@@ -18,7 +18,10 @@ Steps, all decided before anything changes so that a bad plan leaves the module 
    reduced at the end of backward (:mod:`vescale.dtensor.grad_sync`);
 6. an exception in a forward names the innermost module and its input placements;
 7. a submodule whose forward is verified to compute the same on local tensors runs on them
-   (:mod:`vescale.dmodule.local_execution`; ``local_execution=False`` turns it off).
+   (:mod:`vescale.dmodule.local_execution`; ``local_execution=False`` turns it off);
+8. random ops on DTensors (dropout) give single-device values from the generator state every
+   rank holds (:func:`vescale.dtensor.random.use_single_device_random`): seed every rank alike,
+   ``torch.manual_seed(s)`` or ``vescale.dtensor.random.manual_seed(s)``.
 
 Example::
 
@@ -48,6 +51,7 @@ from vescale.dtensor.deferred import is_deferred, materialize_module
 from vescale.dtensor.grad_sync import GradSync, attach_grad_sync
 from vescale.dtensor.implicit_replication import ImplicitReplicationHandle, implicit_replication_scope
 from vescale.dtensor.placements import distribute_tensor
+from vescale.dtensor.random import use_single_device_random
 
 __all__ = ["DMODULE_ATTRIBUTE", "DModuleState", "is_dmodule", "parallelize_module"]
 
@@ -153,6 +157,7 @@ def parallelize_module(
     _check_parallelizable(module)
     mesh_dim_index = _mesh_dim_index(device_mesh, mesh_dim)
     resolved = plan.resolve(module, mesh_shape=tuple(device_mesh.shape), mesh_dim=mesh_dim_index)
+    use_single_device_random()
     if any(is_deferred(tensor) for tensor in [*module.parameters(), *module.buffers()]):
         # Each rank allocates only its final shards, with the values eager construction gives.
         replicate_everywhere = (Replicate(),) * device_mesh.ndim

@@ -55,7 +55,7 @@ from vescale.dtensor import _compat
 from vescale.dtensor._random_ops import register_random_ops
 from vescale.dtensor._random_strategy import RandomCall, RandomOpError, draw_local
 
-__all__ = ["RandomOpError", "SingleDeviceRNGTracker", "manual_seed"]
+__all__ = ["RandomOpError", "SingleDeviceRNGTracker", "manual_seed", "use_single_device_random"]
 
 _FACTORY_OPS = (torch.ops.aten.rand.default, torch.ops.aten.randn.default)
 
@@ -147,6 +147,24 @@ def manual_seed(seed: int) -> None:
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise RandomOpError(f"manual_seed takes an int seed, the same on every rank; got {seed!r}")
     torch.manual_seed(seed)
+    use_single_device_random()
+
+
+def use_single_device_random() -> None:
+    """Make random ops on DTensors give single-device values from now on (idempotent).
+
+    :func:`manual_seed` calls it, and so does ``vescale.dmodule.parallelize_module``: a
+    model's dropout on DTensors then draws what one device draws from the generator state
+    every rank holds (``torch.manual_seed`` with the same seed on every rank). Without it,
+    stock DTensor draws each rank's shard from the start of that rank's stream, which no
+    single device draws.
+
+    Example::
+
+        torch.manual_seed(0)                 # on every rank
+        use_single_device_random()
+        dropped = torch.nn.functional.dropout(sharded_activation, p=0.1)
+    """
     register_random_ops()
     if not isinstance(_compat.dtensor_rng_tracker(), SingleDeviceRNGTracker):
         _compat.set_dtensor_rng_tracker(SingleDeviceRNGTracker())

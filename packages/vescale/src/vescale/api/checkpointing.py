@@ -6,6 +6,13 @@ model's tensors are saved in their parallel layout and load into any other (dche
 resharding); the plan is kept as its JSON text; the LR scheduler and data loader as their JSON
 state dicts. Nothing on disk is pickled.
 
+Random numbers resume too: ``vescale.save`` also saves every rank's generator states (torch's,
+the accelerator's, Python's and NumPy's: ``vescale.dcheckpoint.RNGState``) and ``vescale.load``
+puts them back when the checkpoint holds them, so a resumed run draws the dropout masks the
+uninterrupted run draws (veScale keeps every rank's torch generator where one device's is, so a
+checkpoint loads under any world size). ``"rng": None`` in the state leaves them out: not saved,
+or not restored.
+
 A ``vescale.doptim.DistributedOptimizer`` is saved through its ``checkpoint_view()``: its state
 per model parameter, as DTensors sharded over dp (each rank holds and writes 1/dp of it), so it
 loads under any dp size, ZeRO stage, tensor-parallel plan and pipeline split. Any other
@@ -25,21 +32,25 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from vescale.api._global_batch import ParallelizedModel
 from vescale.api.errors import VescaleAPIError
-from vescale.dcheckpoint import AsyncSave, CheckpointFormatError, SaveResult, read_index
+from vescale.dcheckpoint import AsyncSave, CheckpointFormatError, RNGState, SaveResult, read_index
 from vescale.dcheckpoint import load as load_checkpoint
 from vescale.dcheckpoint import save as save_checkpoint
+from vescale.dcheckpoint.async_save import wait_for_pending_save
+from vescale.dcheckpoint.atomic import resolve_checkpoint
 from vescale.doptim import DistributedOptimizer
 from vescale.planner import Plan, PlanFormatError
 
 __all__ = ["CheckpointStateError", "load", "save"]
 
 PLAN_KEY = "plan"
+RNG_KEY = "rng"
 
 
 class CheckpointStateError(VescaleAPIError, ValueError):
@@ -67,7 +78,7 @@ def _checkpoint_state(state: Mapping[str, Any]) -> dict[str, Any]:
         )
     checkpoint_state: dict[str, Any] = {}
     for key, value in state.items():
-        if key == PLAN_KEY:
+        if key == PLAN_KEY or (key == RNG_KEY and value is None):
             continue
         if key == "model":
             value = _module(value)
@@ -102,6 +113,8 @@ def save(
         vescale.save("ckpt/step-000200", state, async_save=True, defer_copies=True)
     """
     checkpoint_state = _checkpoint_state(state)
+    if RNG_KEY not in state:
+        checkpoint_state[RNG_KEY] = RNGState()
     if PLAN_KEY in state:
         plan = state[PLAN_KEY]
         if not isinstance(plan, Plan):
@@ -141,5 +154,9 @@ def load(path: str | os.PathLike[str], state: Mapping[str, Any]) -> Plan | None:
         model, optimizer, scheduler, loader = vescale.parallelize(new_plan, model, optimizer_fn, ...)
         saved_plan = vescale.load("ckpt", {"model": model, "optimizer": optimizer, "data_loader": loader})
     """
-    result = load_checkpoint(path, _checkpoint_state(state))
+    checkpoint_state = _checkpoint_state(state)
+    wait_for_pending_save()  # an async save to ``path`` may not have written its index yet
+    if RNG_KEY not in state and read_index(resolve_checkpoint(Path(path))).rng:
+        checkpoint_state[RNG_KEY] = RNGState()
+    result = load_checkpoint(path, checkpoint_state)
     return _saved_plan(read_index(result.path).objects, str(result.path))

@@ -120,3 +120,15 @@ def test_a_dtensor_in_a_piece_draws_its_rows_of_the_whole_batchs_values(start):
     for dropped, after in run_on_ranks(sequence_parallel_dropout_on_ranks, 2, args=(start, rows)):
         assert torch.equal(dropped, expected_dropped[start : start + rows])
         assert torch.equal(after, expected_after[start : start + rows])
+
+
+@pytest.mark.parametrize("explicit_generator", [True, False])
+def test_a_factory_given_a_generator_argument_draws_its_rows(explicit_generator):
+    # aten.randn.generator takes its generator (None included) as a required keyword: local
+    # execution's trials draw their stand-ins so, and used to fail inside a piece.
+    generator = torch.Generator().manual_seed(7) if explicit_generator else None
+    torch.manual_seed(7)
+    with batch_piece_random(BatchPiece(start=2, rows=2, total=8)):
+        rows = torch.ops.aten.randn.generator([2, 3], generator=generator)
+    torch.manual_seed(7)
+    assert torch.equal(rows, torch.randn(8, 3)[2:4])

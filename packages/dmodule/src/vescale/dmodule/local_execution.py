@@ -91,12 +91,15 @@ from vescale.dtensor.implicit_replication import suspended_implicit_replication
 __all__ = [
     "LocalExecution",
     "install_local_execution",
+    "keep_ancestors_on_dtensors",
     "local_execution_report",
     "run_pending_trials",
     "trial_running",
 ]
 
 LOCAL_EXECUTION_ATTRIBUTE = "_vescale_local_execution"
+# Why no module holding this one may run on local tensors (see keep_ancestors_on_dtensors).
+KEEP_ANCESTORS_ATTRIBUTE = "_vescale_keep_ancestors_on_dtensors"
 # Input signatures a module verifies; calls with further new ones run as DTensors unverified.
 MAX_SIGNATURES = 16
 PENDING = "DTensor: its trial runs before the next forward"
@@ -374,6 +377,20 @@ def _gathered(unit: FSDPModule | None) -> Iterator[None]:
             unit.reshard()
 
 
+def keep_ancestors_on_dtensors(module: nn.Module, reason: str) -> None:
+    """Never run a module that holds ``module`` on local tensors, nor try it, for ``reason``.
+
+    For veScale's own hooks whose effect is not a function of the call (a pipeline stage's
+    boundary swaps the received hidden state in and sets the generator where one device's
+    forward of that stage begins): a trial of an ancestor would run them, out of turn.
+
+    Example::
+
+        keep_ancestors_on_dtensors(model.layers[4], "a pipeline stage boundary")
+    """
+    setattr(module, KEEP_ANCESTORS_ATTRIBUTE, reason)
+
+
 def _static_rejection(module: nn.Module, leaves: list[Any]) -> Rejected | None:
     """A reason known without running the forward, the same on every rank."""
     from vescale.dmodule.experts.parallelize import EXPERT_PARALLEL_ATTRIBUTE
@@ -384,6 +401,9 @@ def _static_rejection(module: nn.Module, leaves: list[Any]) -> Rejected | None:
         # DTensors it takes and gives back (and their gradients), as without local execution.
         hooks = _compat.module_call_hooks(submodule) if fqn else []
         foreign = next((hook for hook in hooks if _is_foreign(hook)), None)
+        kept_by = getattr(submodule, KEEP_ANCESTORS_ATTRIBUTE, None) if fqn else None
+        if kept_by is not None:
+            return Rejected(f"holds {where!r}, {kept_by}")
         if foreign is not None:
             # It would see local shards where it saw DTensors (an activation statistic would then
             # be one rank's part): the module keeps DTensors while such a hook is on.

@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from vescale.dmodule.local_execution import keep_ancestors_on_dtensors
 from vescale.dpipe.activation_meter import ActivationMeter
 from vescale.dpipe.dtensor_boundary import from_wire, mesh_of, to_wire
 from vescale.dpipe.errors import PipelineCutError
@@ -130,11 +131,16 @@ class StageRouter:
         for unit_fqn, stage_index in layout.unit_stage.items():
             unit = model.get_submodule(unit_fqn)
             self._gate(unit_fqn, unit, stage_index, trace.output_lengths.get(unit_fqn))
+            # A module holding a gated unit runs part of a stage: tensor parallelism's local
+            # execution must not try it (its trial would run the gates and boundaries out of turn).
+            keep_ancestors_on_dtensors(unit, "a unit of a pipeline stage")
         for boundary_index, boundary_fqn in enumerate(layout.boundaries):
             # Boundary k is where stage k ends and stage k + 1 starts.
-            model.get_submodule(boundary_fqn).register_forward_pre_hook(
+            boundary = model.get_submodule(boundary_fqn)
+            boundary.register_forward_pre_hook(
                 self._boundary_hook(boundary_fqn, boundary_index), with_kwargs=True
             )
+            keep_ancestors_on_dtensors(boundary, "a pipeline stage boundary")
         for unit_fqn, stage_index in layout.unit_stage.items():
             if stage_index not in local_stages:
                 for module in model.get_submodule(unit_fqn).modules():

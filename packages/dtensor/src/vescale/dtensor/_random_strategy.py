@@ -73,8 +73,8 @@ class RandomCall:
 
     def run(self, tensor: torch.Tensor, generator: torch.Generator | None) -> Any:
         kwargs = dict(self.kwargs)
-        if generator is not None:
-            kwargs["generator"] = generator
+        if generator is not None or getattr(self.op, "_overloadname", "") == "generator":
+            kwargs["generator"] = generator  # aten.randn.generator takes it, None included
         if self.kind == "factory":
             return self.op(list(tensor.shape), *self.args, **kwargs)
         return self.op(tensor, *self.args, **kwargs)

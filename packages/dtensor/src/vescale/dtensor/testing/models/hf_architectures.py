@@ -6,8 +6,10 @@ hidden 64, 8 query heads of 8 dims, key/value heads at the default grouped-query
 4:1 default gives 8 query and 2 key/value heads), intermediate 128, vocabulary 128, 4
 experts with top-2 routing, and as few layers as cover every distinct per-layer type of the
 default (sliding and full attention, dense and MoE MLPs; at least 2). Tied embeddings,
-norms, biases, activations and rope types stay as the architecture has them. Dropout is 0;
-attention is PyTorch's SDPA where the architecture supports it, else eager. Nothing is
+norms, biases, activations and rope types stay as the architecture has them, and so do its
+dropout probabilities (GPT-2 drops 10% in four places; a parallel run must draw one device's
+masks); the variant ``"gpt2[dropout=0]"`` sets every dropout, router jitter and layer drop to 0.
+Attention is PyTorch's SDPA where the architecture supports it, else eager. Nothing is
 downloaded.
 
 Example::
@@ -48,6 +50,8 @@ TINY_SIZES = {"hidden": 64, "heads": 8, "head_dim": 8, "intermediate": 128, "voc
 # random batch never contains an image/audio placeholder token of a multimodal config.
 INPUT_ID_LIMIT = 96
 _MAX_LAYERS = 8
+# What a variant ("gpt2[dropout=0]") may set: a size, the key/value heads, dropout off.
+_VARIANT_KEYS = {*TINY_SIZES, "kv_heads", "dropout"}
 
 _HIDDEN = {
     "hidden_size",
@@ -278,12 +282,13 @@ def _shrink_field(
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return value
     if isinstance(value, float):
-        return (
-            0.0
-            if ("dropout" in name or "pdrop" in name or name in ("router_jitter_noise", "layerdrop"))
-            else value
-        )
+        switched_off = sizes.get("dropout", 1) == 0
+        return 0.0 if switched_off and _is_dropout(name) else value
     return _shrink_int(name, value, config, sizes, query_heads, len(layers))
+
+
+def _is_dropout(name: str) -> bool:
+    return "dropout" in name or "pdrop" in name or name in ("router_jitter_noise", "layerdrop")
 
 
 def _shrink_int(
@@ -419,7 +424,9 @@ def default_model_failure(model_type: str) -> str | None:
 
 
 def split_variant(arch: str) -> tuple[str, dict[str, int]]:
-    """``"seed_oss[kv_heads=4]"`` -> ``("seed_oss", {"kv_heads": 4})``: a model type and size overrides.
+    """``"seed_oss[kv_heads=4]"`` -> ``("seed_oss", {"kv_heads": 4})``: a model type and its overrides.
+
+    The overrides are sizes of :data:`TINY_SIZES`, ``kv_heads``, and ``dropout=0`` (every dropout 0).
 
     Example::
 
@@ -429,10 +436,8 @@ def split_variant(arch: str) -> tuple[str, dict[str, int]]:
     sizes = {}
     for item in filter(None, variant.rstrip("]").split(",")):
         key, _, value = item.partition("=")
-        if key.strip() not in {*TINY_SIZES, "kv_heads"}:
-            raise ValueError(
-                f"unknown size {key.strip()!r} in {arch!r}; choose from {sorted({*TINY_SIZES, 'kv_heads'})}"
-            )
+        if key.strip() not in _VARIANT_KEYS:
+            raise ValueError(f"unknown size {key.strip()!r} in {arch!r}; choose from {sorted(_VARIANT_KEYS)}")
         sizes[key.strip()] = int(value)
     return model_type, sizes
 

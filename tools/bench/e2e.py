@@ -332,6 +332,11 @@ def main() -> None:
         "--pairs", nargs="+", default=[ours for ours, _ in PAIRS], choices=list(OURS_TO_NATIVE)
     )
     parser.add_argument("--json", help="write the checked rows here (for run_all.py)")
+    parser.add_argument(
+        "--reuse-ranks",
+        action="store_true",
+        help="measure memory in the timing ranks, not fresh ones (a smoke run: its peaks mean nothing)",
+    )
     args = parser.parse_args()
     from bench_rows import bench_row, write_rows
 
@@ -344,10 +349,12 @@ def main() -> None:
             # Each side's memory in fresh rank processes of its own, so neither reuses the other's heap.
             peaks = {}
             for side, variant in (("native", native), ("ours", ours)):
-                shutdown_rank_pool()
+                if not args.reuse_ranks:
+                    shutdown_rank_pool()
                 memory_shape = (args.hidden, args.layers, args.batch, args.seq, args.warmup)
                 peaks[side] = run_on_ranks(peak_on_ranks, 4, args=(variant, *memory_shape), timeout_s=1800)[0]
-            shutdown_rank_pool()
+            if not args.reuse_ranks:
+                shutdown_rank_pool()
             checked = ours not in RECOMPUTED
             rows.append(
                 bench_row(

@@ -58,7 +58,8 @@ def dropout_step(arch: str, tp: int, sequence_parallel: bool) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("arch", "sequence_parallel"), [("bert", False), ("bert", True), ("opt", False), ("gpt2", False)]
+    ("arch", "sequence_parallel"),
+    [("bert", False), ("bert", True), ("opt", False), ("gpt2", False), ("bart", False)],
 )
 def test_default_dropout_under_tensor_parallelism_matches_single_device(arch, sequence_parallel):
     for rank, result in enumerate(

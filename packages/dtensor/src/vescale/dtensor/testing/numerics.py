@@ -206,9 +206,12 @@ def gradient_errors(parallel: nn.Module, reference: nn.Module) -> dict[str, floa
         worst = max(gradient_errors(model, reference).items(), key=lambda item: item[1])
     """
     reference_grads = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
-    parallel_grads = dict(parallel.named_parameters())
-    return errors_by_fqn(
-        {name: p.grad for name, p in parallel_grads.items() if p.grad is not None},
-        reference_grads,
-        parallel_grads,
-    )
+    parallel_grads = {name: p.grad for name, p in parallel.named_parameters() if p.grad is not None}
+    # A parameter the forward never reaches (BART's cross-attention in its causal LM) has no
+    # gradient on either side; one with a gradient on one side only is an error either way.
+    only_parallel = sorted(set(parallel_grads) - set(reference_grads))
+    if only_parallel:
+        raise AssertionError(
+            f"the reference has no gradient for {only_parallel[:5]} ({len(only_parallel)} FQNs)"
+        )
+    return errors_by_fqn(parallel_grads, reference_grads)

@@ -119,8 +119,9 @@ def merge_records(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _run_line(meta: dict[str, Any]) -> str:
+    note = f", {meta['note']}," if meta.get("note") else ""  # e.g. how a run was stopped early
     return (
-        f"`python tools/hf_sweep.py {_shown_command(meta['command'])}` on {meta['date']} "
+        f"`python tools/hf_sweep.py {_shown_command(meta['command'])}`{note} on {meta['date']} "
         f"(transformers {meta['transformers']}, torch {meta['torch']}, commit {meta['commit'][:10]}; "
         f"{meta['wall_seconds']:.0f} s on {meta['cpus']} CPU cores)"
     )
@@ -148,8 +149,8 @@ def write_markdown(record: dict[str, Any], path: str) -> None:
         "",
         *_provenance(meta),
         "Each architecture runs at a tiny configuration derived from its own default config "
-        "(`vescale.dtensor.testing.models.hf_architectures`: tied embeddings, GQA ratio, norms, biases "
-        "and activations kept; sizes shrunk) against a single-process reference of the same weights "
+        "(`vescale.dtensor.testing.models.hf_architectures`: tied embeddings, GQA ratio, norms, biases, "
+        "activations and dropout kept; sizes shrunk) against a single-process reference of the same weights "
         "and batches. TP modes (`auto_sharding_plan` + `parallelize_module`) compare the loss "
         "(1e-5 relative) and every parameter's gradient (1e-4, ‖parallel − reference‖∞ / ‖reference‖∞) "
         "after one step. Where the model also runs in float64, each number is compared with the "

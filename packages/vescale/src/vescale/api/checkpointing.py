@@ -156,7 +156,9 @@ def load(path: str | os.PathLike[str], state: Mapping[str, Any]) -> Plan | None:
     """
     checkpoint_state = _checkpoint_state(state)
     wait_for_pending_save()  # an async save to ``path`` may not have written its index yet
-    if RNG_KEY not in state and read_index(resolve_checkpoint(Path(path))).rng:
+    directory = resolve_checkpoint(Path(path))
+    index = read_index(directory)  # read once: its rng states and its plan
+    if RNG_KEY not in state and index.rng:
         checkpoint_state[RNG_KEY] = RNGState()
-    result = load_checkpoint(path, checkpoint_state)
-    return _saved_plan(read_index(result.path).objects, str(result.path))
+    load_checkpoint(directory, checkpoint_state)
+    return _saved_plan(index.objects, str(directory))

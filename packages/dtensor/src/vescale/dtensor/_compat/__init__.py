@@ -17,6 +17,7 @@ The package re-exports every name of its modules, one topic each:
 * :mod:`.placements`: ``_StridedShard``, ``Shard._to_new_shard_dim``, LocalTensorMode.
 * :mod:`.patches`: the wrappers installed into DTensor's redistribution planner, strategy
   selection and propagation (installed in part when this package is imported).
+* :mod:`.strategy_expansion`: strategies expanded over the mesh dims that can hold a choice.
 
 Example::
 
@@ -99,6 +100,10 @@ from vescale.dtensor._compat.placements import (
     set_shard_to_new_shard_dim,
     strided_shard_type,
 )
+from vescale.dtensor._compat.strategy_expansion import (
+    batch_dims_expansion_disabled,
+    install_batch_dims_expansion,
+)
 
 if TYPE_CHECKING:
     # For the type checker only (vescale's dispatch modes and placement code annotate with them).
@@ -120,6 +125,7 @@ __all__ = [
     "TESTED_TORCH",
     "PrivateTorchAPIError",
     "active_torch_function_modes",
+    "batch_dims_expansion_disabled",
     "clear_dtensor_sharding_caches",
     "clear_global_module_hooks",
     "current_autograd_node",
@@ -140,6 +146,7 @@ __all__ = [
     "fake_tensor_mode_class",
     "global_call_hook_count",
     "global_call_hooks",
+    "install_batch_dims_expansion",
     "install_batch_dims_strategy_guard",
     "install_replicate_dims_guard",
     "install_strided_shard_greedy_redistribution",

@@ -39,6 +39,8 @@ from vescale.dtensor.ops.coverage import OpCoverageRecorder, OpCoverageReport, h
 # data-parallel mesh dim (see _compat.install_replicate_dims_guard).
 _compat.install_replicate_dims_guard()
 _compat.install_batch_dims_strategy_guard()
+# ... and, the guard being in place, torch builds only the candidates it can choose from.
+_compat.install_batch_dims_expansion()
 
 __all__ = [
     "OpCoverageRecorder",

@@ -59,6 +59,7 @@ __all__ = [
     "install_replicate_dims_guard",
     "install_strided_shard_greedy_redistribution",
     "register_dtensor_op_strategy_like",
+    "replicate_batch_dims",
 ]
 
 
@@ -210,6 +211,18 @@ _SHARDING_PROP_MODULE = "torch.distributed.tensor._sharding_prop"
 _SELECT_ATTRIBUTE = "_select_min_cost_strategy"
 
 
+def replicate_batch_dims(op_schema: Any) -> list[int]:
+    """The batch mesh dims on which every tensor argument of ``op_schema`` is Replicate: where the
+    guard below keeps a strategy's inputs and outputs Replicate."""
+    specs = list(op_schema.args_spec)
+    names = specs[0].mesh.mesh_dim_names if specs else None
+    return [
+        dim
+        for dim, name in enumerate(names or ())
+        if name in BATCH_MESH_DIMS and all(spec.placements[dim].is_replicate() for spec in specs)
+    ]
+
+
 def install_batch_dims_strategy_guard() -> None:
     """Choose, for an op whose inputs are all Replicate on a batch mesh dim, only strategies that
     keep that dim Replicate (idempotent; see the comment above).
@@ -225,13 +238,7 @@ def install_batch_dims_strategy_guard() -> None:
         return
 
     def select_keeping_batch_dims(strategy: Any, op_schema: Any = None) -> Any:
-        specs = list(op_schema.args_spec) if op_schema is not None else []
-        names = specs[0].mesh.mesh_dim_names if specs else None
-        dims = [
-            dim
-            for dim, name in enumerate(names or ())
-            if name in BATCH_MESH_DIMS and all(spec.placements[dim].is_replicate() for spec in specs)
-        ]
+        dims = replicate_batch_dims(op_schema) if op_schema is not None else []
         if dims and len(strategy.strategies) > 1:
             kept = [op_spec for op_spec in strategy.strategies if keeps_dims_replicate(op_spec, dims)]
             if kept and len(kept) < len(strategy.strategies):

@@ -21,8 +21,8 @@ order, with torch's costs, so the same strategy is chosen. It applies only where
 * one of the op's single-dim strategies is all Replicate; no ``_StridedShard`` input, no validity
   callback, no input on another mesh.
 
-Otherwise, or when no candidate survives, torch's function runs unchanged. torch 2.13 only: 2.11 and
-2.12 expand the same way, but their function's keywords differ, so they keep it as is.
+Otherwise, or when no candidate survives, torch's function runs unchanged. torch 2.13 only: the
+function's signature on 2.11 and 2.12 was not checked, so they keep it as is.
 
 Private PyTorch APIs: ``torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy`` and
 ``generate_redistribute_costs`` (and the ``_ops`` modules that imported the former by name),
@@ -55,8 +55,8 @@ from vescale.dtensor._compat.core import (
     torch_version,
 )
 from vescale.dtensor._compat.dispatcher import clear_dtensor_sharding_caches, dtensor_sharding_propagator
+from vescale.dtensor._compat.patches import replicate_batch_dims
 from vescale.dtensor._compat.placements import strided_shard_type
-from vescale.dtensor._placement_moves import BATCH_MESH_DIMS
 
 __all__ = ["batch_dims_expansion_disabled", "install_batch_dims_expansion"]
 
@@ -96,17 +96,6 @@ def batch_dims_expansion_disabled() -> Iterator[None]:
     finally:
         _state.off = previous
         clear_dtensor_sharding_caches()
-
-
-def _batch_dims(op_schema: Any) -> list[int]:
-    """The batch mesh dims on which every tensor argument of the propagated op is Replicate."""
-    specs = list(op_schema.args_spec)
-    names = specs[0].mesh.mesh_dim_names if specs else None
-    return [
-        dim
-        for dim, name in enumerate(names or ())
-        if name in BATCH_MESH_DIMS and all(spec.placements[dim].is_replicate() for spec in specs)
-    ]
 
 
 def _has_tensor_list(op_schema: Any, spec_type: type) -> bool:
@@ -164,7 +153,7 @@ def _reduced_expansion(
         return None
     if any(len(strategy.strategies) != 1 for strategy in inputs):
         return None
-    batch = _batch_dims(top)
+    batch = replicate_batch_dims(top)  # the guard's own rule
     input_specs = [strategy.strategies[0].output_spec for strategy in inputs]
     if not batch or len(batch) == mesh.ndim or any(spec.mesh != mesh for spec in input_specs):
         return None

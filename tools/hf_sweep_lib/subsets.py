@@ -67,4 +67,8 @@ CI_SUBSET = (
     "gemma3n_text",
     "llama4_text",
     "inkling2_text",
+    # silently wrong with its default dropout until the planning traces undid what a forward
+    # changes in the model (its block-sparse attention swapped for full attention, whose new
+    # modules' initialisation moved the generator in one process's first forward only)
+    "big_bird",
 )

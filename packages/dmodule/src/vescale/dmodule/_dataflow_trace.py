@@ -22,7 +22,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from vescale.dmodule.errors import ShardingPlanError
 from vescale.dtensor import _compat
 from vescale.dtensor.deferred.fake_values import FakeValuePolicy
+from vescale.dtensor.model_state import model_state_kept
 
 __all__ = ["DataflowTrace", "Projection", "trace_dataflow"]
 
@@ -523,17 +524,6 @@ class _Tracer(_DispatchModeBase):
         self.flows[output] = _Flow(features, flow.normalises)
 
 
-@contextlib.contextmanager
-def _generators_kept(model: nn.Module) -> Iterator[None]:
-    """The CPU generator, and the current one of each accelerator holding ``model``, as they were."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.random.fork_rng(devices=[]))
-        for device_type in sorted({p.device.type for p in model.parameters()} - {"cpu", "meta"}):
-            device = torch.get_device_module(device_type).current_device()
-            stack.enter_context(torch.random.fork_rng(devices=[device], device_type=device_type))
-        yield
-
-
 def trace_dataflow(
     model: nn.Module, example_args: tuple[Any, ...] = (), example_kwargs: dict[str, Any] | None = None
 ) -> DataflowTrace:
@@ -574,9 +564,10 @@ def trace_dataflow(
     try:
         # FakeValuePolicy (inside the tracer): the values a deferred model's code reads (X-MOD's
         # boolean-mask token selection) are answered as a batch would, so its trace runs on.
-        # The trace's random ops (dropout) must not move the caller's generators: planning changes
-        # nothing a single-device run would draw next.
-        with torch.no_grad(), _generators_kept(model), tracer, FakeValuePolicy():
+        # Planning changes nothing a single-device run would do or draw next: the trace's random
+        # ops (dropout) do not move the caller's generators, and what the forward changed in the
+        # model (BigBird's attention swap, BatchNorm statistics) is undone.
+        with torch.no_grad(), model_state_kept(model), tracer, FakeValuePolicy():
             model(*example_args, **(example_kwargs or {}))
     except Exception as error:
         running = tracer.failed_in or "<root>"

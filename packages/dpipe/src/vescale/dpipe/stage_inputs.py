@@ -43,6 +43,7 @@ from vescale.dpipe import _compat
 from vescale.dpipe.errors import PipelineCutError
 from vescale.dpipe.split import StageLayout
 from vescale.dpipe.tracing import no_cache_kwargs, shapes_only_pass
+from vescale.dtensor.model_state import model_state_kept
 
 __all__ = ["CarriedOutput", "StageInputs", "find_stage_inputs"]
 
@@ -229,7 +230,7 @@ def _needed_by_stage(
         handles.append(model.get_submodule(exit_fqn).register_forward_pre_hook(leave, with_kwargs=True))
     model_kwargs = no_cache_kwargs(model)
     try:
-        with shapes_only_pass():
+        with model_state_kept(model), shapes_only_pass():  # the model as it was, after (tracing.py)
             fake_batch = {name: _fake(value) for name, value in example_batch.items()}
             with provenance:
                 try:

@@ -30,6 +30,7 @@ from vescale.dpipe.errors import PipelineCutError
 from vescale.dtensor.batch_random import count_random_ops
 from vescale.dtensor.deferred.fake_values import FakeValuePolicy
 from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
+from vescale.dtensor.model_state import model_state_kept
 
 __all__ = ["ModelTrace", "default_example_batch", "no_cache_kwargs", "shapes_only_pass", "trace_model"]
 
@@ -121,7 +122,9 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
         handles.append(module.register_forward_pre_hook(before(fqn)))
         handles.append(module.register_forward_hook(after(fqn)))
     try:
-        with shapes_only_pass():
+        # What the forward changes in the model (BigBird's attention swap) is undone: the run's
+        # own first forward does it, as one device's does.
+        with model_state_kept(model), shapes_only_pass():
             fake_batch = {name: _to_fake(value) for name, value in example_batch.items()}
             with flop_counter, parameter_uses, count_random_ops() as counted:
                 output = model(**fake_batch, **no_cache_kwargs(model))

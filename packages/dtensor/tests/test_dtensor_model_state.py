@@ -1,0 +1,88 @@
+"""``model_state_kept``: a forward run for planning leaves the model and the generators as they were.
+
+Reference: a fresh copy of the same model, never run, and the generator state before the run.
+The model's forward does what ``transformers`` models do in a first forward (BigBird swaps a
+submodule for a new one built with ``nn.Linear``, which draws; an attribute flips; BatchNorm
+updates its statistics; a cache buffer is registered).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from vescale.dtensor.model_state import model_state_kept
+
+
+class SwapsOnFirstForward(nn.Module):
+    """Swaps ``self.attention`` for a new module on its first forward, as BigBird does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mode = "sparse"
+        self.attention = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "sparse":
+            self.mode = "full"
+            shared = self.attention
+            self.attention = nn.Sequential(nn.Linear(4, 4))  # a new module: its init draws
+            self.attention[0] = shared
+            self.register_buffer("cache", torch.ones(4))
+        return torch.nn.functional.dropout(self.norm(self.attention(x)), 0.5)
+
+
+def _state(model: nn.Module) -> dict[str, object]:
+    return {
+        "structure": [(name, type(module).__name__) for name, module in model.named_modules()],
+        "mode": model.mode,
+        "buffers": {name: buffer.clone() for name, buffer in model.named_buffers()},
+    }
+
+
+def test_a_forward_under_it_changes_nothing_a_later_forward_sees():
+    torch.manual_seed(0)
+    model = SwapsOnFirstForward()
+    untouched = copy.deepcopy(model)
+    before, generator = _state(model), torch.get_rng_state()
+    attention = model.attention
+
+    with model_state_kept(model):
+        model(torch.randn(3, 4))
+        assert model.mode == "full" and isinstance(model.attention, nn.Sequential)  # it did run
+
+    after = _state(model)
+    assert after["structure"] == before["structure"] and after["mode"] == "sparse"
+    assert model.attention is attention and "cache" not in dict(model.named_buffers())
+    assert after["buffers"].keys() == before["buffers"].keys()
+    for name, value in before["buffers"].items():
+        assert torch.equal(after["buffers"][name], value), name
+    assert torch.equal(torch.get_rng_state(), generator)
+    # The next forward is the first one a single device runs: the same output, the same draws.
+    torch.manual_seed(1)
+    expected = untouched(torch.ones(3, 4))
+    torch.manual_seed(1)
+    assert torch.equal(model(torch.ones(3, 4)), expected)
+    assert torch.equal(model.norm.running_mean, untouched.norm.running_mean)
+
+
+def test_a_forward_that_raises_is_undone_too():
+    model = SwapsOnFirstForward()
+    running_mean = model.norm.running_mean.clone()
+    with pytest.raises(RuntimeError, match="stop"), model_state_kept(model):
+        model(torch.randn(3, 4))
+        raise RuntimeError("stop")
+    assert model.mode == "sparse" and isinstance(model.attention, nn.Linear)
+    assert torch.equal(model.norm.running_mean, running_mean)
+
+
+def test_meta_buffers_are_left_alone():
+    with torch.device("meta"):
+        model = SwapsOnFirstForward()
+    with model_state_kept(model):
+        model(torch.empty(3, 4, device="meta"))
+    assert model.mode == "sparse" and model.norm.running_mean.is_meta

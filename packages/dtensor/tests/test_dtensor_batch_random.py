@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from vescale.dtensor.batch_random import BatchPiece, batch_piece_random
+from vescale.dtensor.batch_random import BatchPiece, batch_layout, batch_piece_random, count_random_ops
 from vescale.dtensor.mesh import device_type_for_backend
 from vescale.dtensor.random import manual_seed
 from vescale.dtensor.testing import run_on_ranks
@@ -80,6 +80,60 @@ def test_without_the_replay_pieces_draw_other_numbers():
     assert not torch.equal(second_piece[0], expected[0][4:8])
 
 
+HEADS = 3
+
+
+def sequence_first_draws(x: torch.Tensor) -> list[torch.Tensor]:
+    """XLNet's random ops: dropout of (seq, batch, hidden) activations and of (seq, seq, batch,
+    heads) attention probabilities; ``x`` is (seq, rows, hidden)."""
+    rows = x.shape[1]
+    return [
+        F.dropout(x, 0.3),
+        F.dropout(torch.ones(SEQUENCE, SEQUENCE, rows, HEADS), 0.5),
+        torch.randn(4, HIDDEN),  # the same for every batch size: drawn as it is
+        F.dropout(x * 2, 0.1),
+    ]
+
+
+def _layout_of_sequence_first_draws() -> tuple[tuple[int, int | None], ...]:
+    recorded = []
+    for rows in (1, 2):
+        with count_random_ops() as counted:
+            sequence_first_draws(torch.ones(SEQUENCE, rows, HIDDEN))
+        recorded.append(counted.shapes)
+    return batch_layout(recorded[0], 1, recorded[1], 2)
+
+
+def test_the_layout_of_sequence_first_tensors_is_learned_from_two_batch_sizes():
+    assert _layout_of_sequence_first_draws() == ((2, None), (3, 1), (4, 2))
+    # Ops that differ between the two forwards, or a dim that does not scale with the rows: unknown.
+    assert batch_layout([(4, 2)], 2, [(4, 3), (5,)], 3) == ()
+    assert batch_layout([(5, 2)], 2, [(6, 3)], 3) == ()
+    assert batch_layout([(5, 2), (2, 7)], 2, [(5, 3), (3, 7)], 3) == ()
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_sequence_first_piece_draws_its_rows_with_its_layout(rows):
+    x = torch.randn(SEQUENCE, TOTAL, HIDDEN, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(SEED)
+    expected = sequence_first_draws(x)
+    expected_state = torch.get_rng_state()
+    layout = _layout_of_sequence_first_draws()
+    for start in range(0, TOTAL, rows):
+        torch.manual_seed(SEED)
+        with batch_piece_random(BatchPiece(start, rows, TOTAL, layout)):
+            got = sequence_first_draws(x[:, start : start + rows])
+        for index, (value, whole) in enumerate(zip(got, expected, strict=True)):
+            wanted = whole if index == 2 else whole.narrow(index + 1 if index == 1 else 1, start, rows)
+            assert torch.equal(value, wanted), (start, index)
+        assert torch.equal(torch.get_rng_state(), expected_state), start
+    # Without the layout, a sequence-first piece of one row is read as batch-major: other masks.
+    torch.manual_seed(SEED)
+    with batch_piece_random(BatchPiece(1, 1, TOTAL)):
+        misread = sequence_first_draws(x[:, 1:2])
+    assert not torch.equal(misread[0], expected[0][:, 1:2])
+
+
 def test_reentering_the_current_piece_adds_nothing():
     piece = BatchPiece(0, 2, TOTAL)
     with batch_piece_random(piece) as outer, batch_piece_random(piece) as inner:
@@ -120,6 +174,28 @@ def test_a_dtensor_in_a_piece_draws_its_rows_of_the_whole_batchs_values(start):
     for dropped, after in run_on_ranks(sequence_parallel_dropout_on_ranks, 2, args=(start, rows)):
         assert torch.equal(dropped, expected_dropped[start : start + rows])
         assert torch.equal(after, expected_after[start : start + rows])
+
+
+def sequence_first_dtensor_dropout_on_ranks(start: int, rows: int, layout: tuple) -> torch.Tensor:
+    """Dropout of a (SEQUENCE * 2, rows, HIDDEN) activation sharded on its sequence; full values."""
+    manual_seed(SEED)
+    mesh = init_device_mesh(device_type_for_backend(dist.get_backend()), (dist.get_world_size(),))
+    x = torch.randn(SEQUENCE * 2, TOTAL, HIDDEN, generator=torch.Generator().manual_seed(0))
+    with batch_piece_random(BatchPiece(start, rows, TOTAL, layout)):
+        sharded = DTensor.from_local(x[:, start : start + rows], mesh, [Replicate()]).redistribute(
+            mesh, [Shard(0)]
+        )
+        return F.dropout(sharded, 0.3).full_tensor()
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_sequence_first_dtensor_in_a_piece_draws_its_rows(rows):
+    x = torch.randn(SEQUENCE * 2, TOTAL, HIDDEN, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(SEED)
+    expected = F.dropout(x, 0.3)
+    start = 3
+    for dropped in run_on_ranks(sequence_first_dtensor_dropout_on_ranks, 2, args=(start, rows, ((3, 1),))):
+        assert torch.equal(dropped, expected[:, start : start + rows])
 
 
 @pytest.mark.parametrize("explicit_generator", [True, False])

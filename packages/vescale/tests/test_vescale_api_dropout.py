@@ -6,7 +6,11 @@ some rows of it, and drew as if they were the whole batch (measured before the r
 losses 4.1692-4.1654 against 4.1736, gradients off by 0.73-0.86 relative, under dp2, tp2 with
 micro-batches and pp2).
 
-Reference: the same tiny GPT-2 (same seed) in one process, one forward and backward on the whole
+XLNet's activations are sequence-first (``[length, batch, hidden]``, its attention probabilities
+``[length, length, batch, heads]``): a piece learns where its rows lie from a forward with its
+rows doubled (measured before: losses 1e-3 to 1e-2 off by the first step under dp and pp).
+
+Reference: the same tiny model (same seed) in one process, one forward and backward on the whole
 global batch. Compared on every rank: the loss, the gradient every parameter was stepped with by
 one SGD step, and the generator state after the step (the next step's draws start there).
 Measured: losses equal to the reference or within 1.2e-7; gradients within 5.0e-7 relative
@@ -25,6 +29,7 @@ import vescale
 from vescale.api import _piece_random
 from vescale.api.errors import NotSingleDeviceWarning
 from vescale.dtensor.testing import run_on_ranks
+from vescale.dtensor.testing.models.hf_architectures import build_tiny_causal_lm
 from vescale.dtensor.testing.numerics import assert_close_by_fqn, full_parameters, sgd_step_gradients
 
 SGD_LR = 1e3
@@ -47,16 +52,27 @@ def build_gpt2(dropout: bool = True, hf_checkpointing: bool = False) -> torch.nn
     return model
 
 
+def build_xlnet(dropout: bool = True, hf_checkpointing: bool = False) -> torch.nn.Module:
+    """XLNet's tiny causal LM with every default but its sizes (dropout 0.1, sequence-first)."""
+    assert dropout and not hf_checkpointing
+    model = build_tiny_causal_lm("xlnet", seed=None)
+    assert model.config.dropout == 0.1
+    return model
+
+
+BUILDERS = {"gpt2": build_gpt2, "xlnet": build_xlnet}
+
+
 def batch() -> dict[str, torch.Tensor]:
     input_ids = torch.randint(0, 64, (GLOBAL_BATCH, SEQUENCE), generator=torch.Generator().manual_seed(1))
     return {"input_ids": input_ids, "labels": input_ids}
 
 
 def step_on_rank(
-    constraints: dict, dropout: bool = True, hf_checkpointing: bool = False
+    constraints: dict, dropout: bool = True, hf_checkpointing: bool = False, arch: str = "gpt2"
 ) -> tuple[float, dict, torch.Tensor]:
     vescale.manual_seed(0)
-    model = vescale.deferred_init(build_gpt2, dropout, hf_checkpointing)
+    model = vescale.deferred_init(BUILDERS[arch], dropout, hf_checkpointing)
     plan = vescale.generate_plan(
         model, {"global_batch_size": GLOBAL_BATCH, "sequence_length": SEQUENCE, **constraints}
     )
@@ -90,6 +106,8 @@ def step_on_rank(
         ),
         # Each stage starts from one device's state where its layers begin (vescale.dpipe.random_carry).
         ({"pipeline_parallel.size": 2}, 2),
+        # One micro-batch: the whole batch, drawn as it is (a plain draw was sent to the sharded one).
+        ({"pipeline_parallel.size": 2, "micro_batch_size": GLOBAL_BATCH}, 2),
         ({"pipeline_parallel.size": 2, "data_parallel.size": 2, "activation_checkpointing": "full"}, 4),
         # Tensor parallelism's local execution must not try a module that holds a stage's units:
         # its trial ran the stage boundary's generator entry out of turn (1.5e-3 on BlenderBot).
@@ -102,23 +120,45 @@ def step_on_rank(
         "dp2xtp2",
         "dp2-selective-recompute",
         "pp2",
+        "pp2-one-micro-batch",
         "pp2xdp2-full-recompute",
         "pp2xtp2",
     ],
 )
 def test_gpt2_default_dropout_matches_single_device(constraints, world_size):
+    _assert_default_dropout_matches_single_device("gpt2", constraints, world_size)
+
+
+@pytest.mark.parametrize(
+    ("constraints", "world_size"),
+    [
+        ({"data_parallel.size": 2}, 2),  # 4 micro-batches of 1 per dp rank
+        ({"pipeline_parallel.size": 2}, 2),  # 8 micro-batches of 1
+        ({"data_parallel.size": 2, "tensor_parallel.size": 2, "micro_batch_size": 2}, 4),
+        # One piece per dp rank, its backward the caller's: the recomputed blocks draw again there.
+        ({"data_parallel.size": 2, "micro_batch_size": 4, "activation_checkpointing": "full"}, 2),
+    ],
+    ids=["dp2", "pp2", "dp2xtp2", "dp2-full-recompute"],
+)
+def test_xlnet_sequence_first_dropout_matches_single_device(constraints, world_size):
+    _assert_default_dropout_matches_single_device("xlnet", constraints, world_size)
+
+
+def _assert_default_dropout_matches_single_device(arch: str, constraints: dict, world_size: int) -> None:
     torch.manual_seed(0)
-    reference = build_gpt2()
+    reference = BUILDERS[arch]()
     expected_loss = reference(**batch()).loss
     expected_state = torch.get_rng_state()
     expected_loss.backward()
     # Tied weights under both names: a pipeline's last stage holds GPT-2's as lm_head.weight.
+    # A parameter the loss does not use (XLNet's mask_emb) has no gradient: SGD leaves it as it is.
     expected = {
-        name: parameter.grad for name, parameter in reference.named_parameters(remove_duplicate=False)
+        name: torch.zeros_like(parameter) if parameter.grad is None else parameter.grad
+        for name, parameter in reference.named_parameters(remove_duplicate=False)
     }
     covered: set[str] = set()
     for rank, (loss, gradients, state) in enumerate(
-        run_on_ranks(step_on_rank, world_size, args=(constraints,), timeout_s=300)
+        run_on_ranks(step_on_rank, world_size, args=(constraints, True, False, arch), timeout_s=300)
     ):
         assert abs(loss - float(expected_loss)) <= LOSS_BOUND * abs(float(expected_loss)), (rank, loss)
         assert_close_by_fqn(

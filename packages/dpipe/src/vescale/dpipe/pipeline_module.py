@@ -46,7 +46,13 @@ from vescale.dpipe.schedules import build_schedule, local_stage_indices
 from vescale.dpipe.split import StageLayout, split_model
 from vescale.dpipe.stage_inputs import StageInputs, find_stage_inputs
 from vescale.dpipe.stage_module import PipelineStageModule, StageRouter
-from vescale.dpipe.tracing import ModelTrace, default_example_batch, no_cache_kwargs, trace_model
+from vescale.dpipe.tracing import (
+    ModelTrace,
+    default_example_batch,
+    no_cache_kwargs,
+    trace_model,
+    with_random_layout,
+)
 
 __all__ = ["ModuleWrapper", "PipelineModule", "pipeline_parallelize", "rebuilds_output"]
 
@@ -167,6 +173,8 @@ class PipelineModule(ModuleWrapper):
             if trace.random_ops and self.device.type == "cpu"
             else {}
         )
+        # Where its random tensors hold a micro-batch's rows (XLNet's sequence-first activations).
+        self._random_layout = trace.random_layout
         self._stage_modules = [
             PipelineStageModule(
                 model,
@@ -249,7 +257,10 @@ class PipelineModule(ModuleWrapper):
         if not (self.replays_random_numbers and self.training):
             return False
         first_row, total_rows = self._global_batch or (0, batch_size)
-        pieces = micro_batch_pieces(first_row, batch_size, total_rows, self.plan.microbatch_count)
+        pieces = [
+            piece.with_layout(self._random_layout)
+            for piece in micro_batch_pieces(first_row, batch_size, total_rows, self.plan.microbatch_count)
+        ]
         step_state = torch.get_rng_state()
         for carry in self._generator_carries.values():
             carry.begin_step(pieces, step_state, skip_calls=1 if fresh_schedule else 0)
@@ -467,7 +478,7 @@ def pipeline_parallelize(
     if world != plan.size:
         raise PipelinePlanError(f"PipelinePlan.size is {plan.size} but the pp dimension has {world} ranks")
     batch = example_batch if example_batch is not None else default_example_batch(model)
-    trace = trace_model(model, batch)
+    trace = with_random_layout(model, batch, trace_model(model, batch))
     _check_output_type(model, trace.output_type)
     layout = split_model(model, plan, trace)
     # What a later stage needs from an earlier one besides the hidden state (a position bias, the

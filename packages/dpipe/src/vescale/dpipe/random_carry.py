@@ -85,10 +85,14 @@ class GeneratorCarry:
             self._enter(self.step_state, piece)
             return
         # A later stage: the model's code before its first unit re-runs the earlier stages' glue
-        # (GPT-2's embedding dropout, on the skipped embedding's zeros), which one device ran there;
-        # its own draws start where its received hidden state is swapped in.
+        # on stand-ins, drawing from the step's state as the first stage does there. One device's
+        # masks matter where the glue's output is used (XLNet's dropout of the relative position
+        # embedding its every layer reads; GPT-2's embedding dropout falls on the skipped
+        # embedding's zeros). Its own units' draws start from the state received with its hidden
+        # state, where that is swapped in.
         state = received.clone()
-        self.router.on_stage_entry = lambda: self._enter(state, piece)
+        self._enter(self.step_state, piece)
+        self.router.on_stage_entry = lambda: torch.set_rng_state(state)
 
     def _enter(self, state: torch.Tensor, piece: BatchPiece) -> None:
         torch.set_rng_state(state)

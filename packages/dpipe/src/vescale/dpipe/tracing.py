@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -27,12 +28,19 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from vescale.dpipe import _compat
 from vescale.dpipe.errors import PipelineCutError
-from vescale.dtensor.batch_random import count_random_ops
+from vescale.dtensor.batch_random import batch_layout, count_random_ops
 from vescale.dtensor.deferred.fake_values import FakeValuePolicy
 from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
 from vescale.dtensor.model_state import model_state_kept
 
-__all__ = ["ModelTrace", "default_example_batch", "no_cache_kwargs", "shapes_only_pass", "trace_model"]
+__all__ = [
+    "ModelTrace",
+    "default_example_batch",
+    "no_cache_kwargs",
+    "shapes_only_pass",
+    "trace_model",
+    "with_random_layout",
+]
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,10 @@ class ModelTrace:
     inside_autograd_function: dict[str, str] = field(default_factory=dict)
     # Random ops the forward ran (dropout in training mode): each stage then replays one device's.
     random_ops: int = 0
+    # The shape of each random op's tensor, in order (for batch_layout).
+    random_shapes: tuple[tuple[int, ...], ...] = ()
+    # Where each random tensor holds the batch's rows (BatchPiece.layout; random_layout() fills it).
+    random_layout: tuple[tuple[int, int | None], ...] = ()
 
 
 def default_example_batch(
@@ -148,7 +160,31 @@ def trace_model(model: nn.Module, example_batch: Mapping[str, Any]) -> ModelTrac
         parameter_uses.uses,
         inside_autograd_function,
         counted.random_ops,
+        tuple(counted.shapes),
     )
+
+
+def with_random_layout(model: nn.Module, example_batch: Mapping[str, Any], trace: ModelTrace) -> ModelTrace:
+    """``trace`` with its :attr:`ModelTrace.random_layout`, learned from a second fake forward with the
+    batch's rows doubled (only where the forward draws random numbers).
+
+    Example::
+
+        trace = with_random_layout(model, batch, trace_model(model, batch))
+        trace.random_layout   # XLNet: ((3, 1), (4, 2)): sequence-first activations
+    """
+    rows = next((v.shape[0] for v in example_batch.values() if isinstance(v, torch.Tensor) and v.dim()), 0)
+    if not trace.random_ops or not rows:
+        return trace
+    doubled = {
+        name: torch.cat([value, value])
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows
+        else value
+        for name, value in example_batch.items()
+    }
+    other = trace_model(model, doubled)
+    layout = batch_layout(trace.random_shapes, rows, other.random_shapes, 2 * rows)
+    return dataclasses.replace(trace, random_layout=layout)
 
 
 @contextlib.contextmanager

@@ -7,11 +7,14 @@ forward ran.
 Example::
 
     piece = BatchPiece(start=4, rows=2, total=8)    # rows 4 and 5 of a global batch of 8
-    piece.rows_factor(6)                             # 3: a (6, ...) tensor holds 3 rows a sample
+    piece.locate((6, 5))                             # (0, 3): dim 0 holds 3 tensor rows a sample
+    seq_first = BatchPiece(4, 2, 8, layout=((3, 1),))
+    seq_first.locate((16, 2, 32))                    # (1, 1): a 3-d tensor's batch is its dim 1
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["BatchPiece", "current_piece", "set_current_piece"]
@@ -21,6 +24,12 @@ __all__ = ["BatchPiece", "current_piece", "set_current_piece"]
 class BatchPiece:
     """Rows ``[start, start + rows)`` of a global batch of ``total`` rows (samples).
 
+    ``layout`` says, for a random op's tensor of ``n`` dims, which dim holds the batch's rows
+    (``(n, dim)``; ``(n, None)``: such tensors do not depend on the batch), as learned from
+    the forward at two batch sizes (:func:`vescale.dtensor.batch_random.batch_layout`). A number
+    of dims it does not list is read as batch-major: dim 0, where its size is a multiple of
+    ``rows``.
+
     Example::
 
         BatchPiece(start=0, rows=4, total=8)   # dp rank 0 of 2, no micro-batches
@@ -29,6 +38,7 @@ class BatchPiece:
     start: int
     rows: int
     total: int
+    layout: tuple[tuple[int, int | None], ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.start >= 0 and self.rows > 0 and self.start + self.rows <= self.total):
@@ -37,12 +47,23 @@ class BatchPiece:
                 f"start={self.start}, rows={self.rows}, total={self.total}"
             )
 
-    def rows_factor(self, leading_size: int) -> int | None:
-        """Tensor rows per sample of a tensor whose leading dim is ``leading_size`` (a (batch, ...),
-        (batch * seq, ...) or (batch * heads, ...) activation), or None when it cannot be batch-major."""
-        if leading_size <= 0 or leading_size % self.rows:
+    def locate(self, shape: Sequence[int]) -> tuple[int, int] | None:
+        """``(dim, tensor rows per sample)`` of the piece's rows in a tensor of ``shape`` (a
+        ``(batch, ...)``, ``(batch * seq, ...)`` or, by its layout, ``(seq, batch, ...)``
+        activation), or None when the tensor does not hold them."""
+        if not shape:
             return None
-        return leading_size // self.rows
+        dim = dict(self.layout).get(len(shape), 0)
+        if dim is None or dim >= len(shape):
+            return None
+        size = shape[dim]
+        if size <= 0 or size % self.rows:
+            return None
+        return dim, size // self.rows
+
+    def with_layout(self, layout: tuple[tuple[int, int | None], ...]) -> BatchPiece:
+        """The same rows, read with ``layout``."""
+        return BatchPiece(self.start, self.rows, self.total, layout)
 
     @property
     def whole(self) -> bool:

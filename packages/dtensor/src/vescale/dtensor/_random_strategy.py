@@ -290,9 +290,9 @@ def draw_local(
 
     ``global_template()`` builds the global tensor argument (only the full strategy calls
     it); ``local_template`` is the local one (filled in place by ``"fill"`` calls). Inside a
-    piece of the global batch (:mod:`vescale.dtensor.batch_random`), a tensor whose leading dim
-    holds the piece's rows is drawn as those rows of the whole batch's tensor; ``mesh`` None is a
-    plain tensor there (its own global tensor).
+    piece of the global batch (:mod:`vescale.dtensor.batch_random`), a tensor holding the piece's
+    rows (in its leading dim, or where the piece's layout says) is drawn as those rows of the
+    whole batch's tensor; ``mesh`` None is a plain tensor there (its own global tensor).
 
     Example::
 
@@ -300,12 +300,12 @@ def draw_local(
         (local,) = draw_local(call, mesh, [Shard(0)], (8, 4), (4, 1), full, torch.empty(4, 4))
     """
     piece = current_piece()
-    factor = piece.rows_factor(global_shape[0]) if piece is not None and global_shape else None
-    if piece is not None and factor is not None and not piece.whole:
+    located = piece.locate(global_shape) if piece is not None else None
+    if piece is not None and located is not None and not piece.whole:
         return _draw_in_piece(
             call,
             piece,
-            factor,
+            located,
             mesh,
             placements,
             global_shape,
@@ -349,7 +349,7 @@ def _empty_in_layout(
 def _draw_in_piece(
     call: RandomCall,
     piece: BatchPiece,
-    factor: int,
+    located: tuple[int, int],
     mesh: DeviceMesh | None,
     placements: Sequence[Placement],
     piece_shape: Sequence[int],
@@ -357,16 +357,20 @@ def _draw_in_piece(
     piece_template: Callable[[], torch.Tensor],
     local_template: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
-    """``draw_local`` for a tensor of ``piece_shape`` whose leading dim is ``factor`` rows per sample
-    of ``piece``: one device's tensor has ``total * factor`` rows, the piece's from ``start * factor``."""
+    """``draw_local`` for a tensor of ``piece_shape`` whose dim ``dim`` holds ``factor`` tensor rows
+    per sample of ``piece`` (``located``): one device's tensor has ``total * factor`` there, the
+    piece's from ``start * factor``."""
+    dim, factor = located
     first, last = piece.start * factor, (piece.start + piece.rows) * factor
-    whole_shape = (piece.total * factor, *piece_shape[1:])
+    whole_shape = list(piece_shape)
+    whole_shape[dim] = piece.total * factor
     if _sliceable_layout(piece_shape, piece_stride, local_template):
         box = (
             [(0, size) for size in piece_shape] if mesh is None else local_box(mesh, placements, piece_shape)
         )
         if box is not None:
-            whole_box = [(box[0][0] + first, box[0][1]), *box[1:]]
+            whole_box = list(box)
+            whole_box[dim] = (box[dim][0] + first, box[dim][1])
             slice_run = _slice_run_of_box(call, whole_box, whole_shape, local_template)
             if slice_run is not None:
                 (start, end), words = slice_run
@@ -374,8 +378,9 @@ def _draw_in_piece(
     whole = _empty_in_layout(whole_shape, piece_stride, local_template.dtype, local_template.device)
     if call.kind == "map":  # the op reads its input elementwise: the other rows' values do not matter
         whole.zero_()
-        whole[first:last].copy_(piece_template())
-    outputs = [output[first:last] for output in _outputs(call.run(whole, call.generator))]
+        whole.narrow(dim, first, last - first).copy_(piece_template())
+    whole_outputs = _outputs(call.run(whole, call.generator))
+    outputs = [output.narrow(dim, first, last - first) for output in whole_outputs]
     if mesh is not None:
         outputs = [cut_local_shard(output, mesh, placements) for output in outputs]
     if call.kind == "fill":

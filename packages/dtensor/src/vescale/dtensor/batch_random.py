@@ -10,9 +10,13 @@ on plain tensors through a dispatch mode, on DTensors (tensor-parallel activatio
 ``vescale.dtensor.random``'s handlers. Each piece must start from the generator state the whole
 batch's forward started from (the caller resets it; ``vescale.parallelize`` does).
 
-A tensor whose leading dim is not a multiple of the piece's rows is drawn as it is (as one
-device draws a tensor that is not batch-major); one that is a multiple but not batch-major
-(sequence-first activations, or any tensor when a piece has one row) is read as batch-major.
+Where a tensor holds the rows is the piece's ``layout``: learned by :func:`batch_layout` from
+the random ops' shapes in two forwards of different batch sizes (a sequence-first
+``(seq, batch, hidden)`` activation, XLNet's, holds them in dim 1; a tensor whose shape does
+not change with the batch holds none). Without a layout, or for a number of dims it does not
+list, a tensor is read as batch-major: one whose leading dim is a multiple of the piece's rows
+holds them there (so, with one row a piece, a sequence-first tensor is misread), any other is
+drawn as it is.
 Ops covered: those of ``vescale.dtensor.random`` (``bernoulli_``, which CPU dropout runs,
 ``native_dropout``, the in-place fills, ``*_like``) and the ``rand``/``randn`` factories.
 
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,7 +45,14 @@ from vescale.dtensor._batch_piece import BatchPiece, current_piece, set_current_
 from vescale.dtensor._random_ops import RANDOM_OP_KINDS, register_random_ops
 from vescale.dtensor._random_strategy import RandomCall, draw_local
 
-__all__ = ["BatchPiece", "BatchPieceRandom", "batch_piece_random", "count_random_ops", "current_piece"]
+__all__ = [
+    "BatchPiece",
+    "BatchPieceRandom",
+    "batch_layout",
+    "batch_piece_random",
+    "count_random_ops",
+    "current_piece",
+]
 
 aten = torch.ops.aten
 
@@ -50,11 +61,51 @@ _FACTORIES = (aten.rand.default, aten.rand.generator, aten.randn.default, aten.r
 
 class BatchPieceRandom:
     """What :func:`batch_piece_random` and :func:`count_random_ops` yield: ``random_ops``, the
-    random ops run so far under it."""
+    random ops run so far under it, and ``shapes``, the (global) shape of each one's tensor."""
 
     def __init__(self, piece: BatchPiece | None) -> None:
         self.piece = piece
         self.random_ops = 0
+        self.shapes: list[tuple[int, ...]] = []
+
+
+def batch_layout(
+    shapes: Sequence[Sequence[int]], rows: int, other_shapes: Sequence[Sequence[int]], other_rows: int
+) -> tuple[tuple[int, int | None], ...]:
+    """Where each number of dims holds the batch, from the random ops' tensor shapes of two forwards
+    (``shapes`` of a batch of ``rows``, ``other_shapes`` of ``other_rows``), for
+    :class:`BatchPiece`'s ``layout``.
+
+    A dim whose size scales with the rows holds them; a tensor whose shape stays holds none. A
+    number of dims whose tensors disagree, or whose change is not one dim scaling with the rows,
+    is left out (read as batch-major); so is every one when the two forwards ran different ops.
+
+    Example::
+
+        batch_layout([(16, 2, 32), (16, 16, 2, 4)], 2, [(16, 3, 32), (16, 16, 3, 4)], 3)
+        # ((3, 1), (4, 2)): XLNet's sequence-first activations and attention probabilities
+    """
+    if len(shapes) != len(other_shapes) or rows == other_rows:
+        return ()
+    found: dict[int, int | None] = {}
+    unclear: set[int] = set()
+    for shape, other in zip(shapes, other_shapes, strict=True):
+        ndim = len(shape)
+        changed = [dim for dim in range(ndim) if ndim == len(other) and shape[dim] != other[dim]]
+        dim: int | None
+        if ndim != len(other) or len(changed) > 1:
+            unclear.add(ndim)
+            continue
+        if not changed:
+            dim = None
+        else:
+            dim = changed[0]
+            if shape[dim] % rows or other[dim] % other_rows or shape[dim] // rows != other[dim] // other_rows:
+                unclear.add(ndim)
+                continue
+        if found.setdefault(ndim, dim) != dim:
+            unclear.add(ndim)
+    return tuple(sorted((ndim, dim) for ndim, dim in found.items() if ndim not in unclear))
 
 
 @contextlib.contextmanager
@@ -111,13 +162,20 @@ def _run_plain(
         template = args[0]
     shape = tuple(template.shape)
     piece = record.piece
-    if piece is None or template.is_meta or not shape or piece.rows_factor(shape[0]) is None:
+    if piece is None or piece.whole or template.is_meta or piece.locate(shape) is None:
         return func(*args, **kwargs)
     call = RandomCall(func, kind, tuple(args[1:]), call_kwargs, generator)
     outputs = draw_local(call, None, (), shape, template.stride(), lambda: template, template)
     if kind == "fill":
         return args[0]
     return outputs if len(outputs) > 1 else outputs[0]
+
+
+def _random_tensor_shape(kind: str, args: tuple[Any, ...]) -> tuple[int, ...]:
+    """The shape of the tensor a random op draws for (a DTensor's global shape)."""
+    if kind == "factory":
+        return tuple(int(size) for size in args[0])
+    return tuple(args[0].shape)
 
 
 @functools.cache
@@ -142,6 +200,7 @@ def _replay_mode_class() -> type:
             if kind is None:
                 return func(*args, **kwargs)
             self.record.random_ops += 1
+            self.record.shapes.append(_random_tensor_shape(kind, args))
             if self.record.piece is None:  # counting only
                 return func(*args, **kwargs)
             if any(isinstance(leaf, DTensor) for leaf in tree_flatten((args, kwargs))[0]):

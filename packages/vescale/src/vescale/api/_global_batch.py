@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -45,6 +45,7 @@ from vescale.doptim import data_parallel_of
 from vescale.doptim.mesh_groups import mesh_dims_group
 from vescale.dpipe import loss_with_backward_done
 from vescale.dpipe.pipeline_module import ModuleWrapper
+from vescale.dtensor.model_state import model_state_kept
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -79,6 +80,17 @@ def _split(batch: Mapping[str, Any], pieces: int) -> list[dict[str, Any]]:
 def _rows(batch: Mapping[str, Any]) -> int:
     """The batch's rows (samples): the leading size of its first tensor with a dim (0 if none)."""
     return next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
+
+
+def _doubled_rows(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """``batch`` with each tensor holding its rows (leading size ``_rows(batch)``) repeated twice."""
+    rows = _rows(batch)
+    return {
+        key: torch.cat([value, value])
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows
+        else value
+        for key, value in batch.items()
+    }
 
 
 def _concatenated(outputs: list[Any], loss: torch.Tensor) -> Any:
@@ -184,6 +196,16 @@ class ParallelizedModel(ModuleWrapper):
             batch = {**batch, "use_cache": False}
         return self._call_module(**batch)
 
+    def _resized_run(self, batch: Mapping[str, Any]) -> Callable[[], Any]:
+        """A forward of ``batch`` with its rows doubled that leaves the module as it was: the
+        second batch size from which a piece learns where random tensors hold its rows."""
+
+        def run() -> None:
+            with model_state_kept(self.module):
+                self._run(_doubled_rows(batch))
+
+        return run
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -269,7 +291,7 @@ class ParallelizedModel(ModuleWrapper):
             if hf_recompute
             else None,
         )
-        output = call.run_piece(0, lambda: self._run(batch), lambda _: None)
+        output = call.run_piece(0, lambda: self._run(batch), lambda _: None, self._resized_run(batch))
         loss = _loss_of(output)
         if loss is None:
             return output
@@ -313,7 +335,9 @@ class ParallelizedModel(ModuleWrapper):
                     torch.clear_autocast_cache()
 
             with contextlib.nullcontext() if last or not training else _gradient_sync_paused(self.module):
-                output = call.run_piece(index, functools.partial(self._run, micro_batch), backward)
+                output = call.run_piece(
+                    index, functools.partial(self._run, micro_batch), backward, self._resized_run(micro_batch)
+                )
             outputs.append(output)
             weighted = losses[-1]
             weighted_sum = weighted if weighted_sum is None else weighted_sum + weighted

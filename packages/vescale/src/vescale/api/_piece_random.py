@@ -14,6 +14,13 @@ its random ops; later calls run under it only if that count was not zero. If a f
 without it moves the generator after all (dropout switched on later), that piece's forward runs
 again under it (its output is dropped; a second forward of that piece, once).
 
+Where a random op's tensor holds the piece's rows (dim 0 of GPT-2's ``(batch, seq, hidden)``,
+dim 1 of XLNet's sequence-first ``(seq, batch, hidden)``) is learned once, at the first forward
+that draws: a forward without gradients of the same piece with its rows doubled (its output
+dropped, the model's state and the generators put back) gives each random op's shape at a
+second batch size (:func:`vescale.dtensor.batch_random.batch_layout`). If the layout reads any
+of that first forward's tensors otherwise than as batch-major, the forward runs again with it.
+
 A pipeline replays its stages' micro-batches itself (:mod:`vescale.dpipe.random_carry`); this
 module gives it the rank's rows in the global batch. Not covered (each piece draws as before,
 for its own rows, and :func:`warn_unreplayed_draws` says so once): compiled modules (the
@@ -38,7 +45,13 @@ from typing import Any
 import torch
 
 from vescale.api.errors import NotSingleDeviceWarning
-from vescale.dtensor.batch_random import BatchPiece, batch_piece_random
+from vescale.dtensor.batch_random import (
+    BatchPiece,
+    BatchPieceRandom,
+    batch_layout,
+    batch_piece_random,
+    count_random_ops,
+)
 
 __all__ = ["PieceCall", "PieceRandomness", "warn_unreplayed_draws"]
 
@@ -93,6 +106,8 @@ class PieceRandomness:
         self.device_type = device_type
         # None: not known yet; True: the forward draws random numbers; False: it does not.
         self.draws: dict[bool, bool | None] = {True: None, False: None}
+        # Where each random tensor holds the batch's rows (BatchPiece.layout); None: not learned yet.
+        self.layout: tuple[tuple[int, int | None], ...] | None = None
         # Why the replay is off (None: it is on). CPU's generator is a word stream a piece can
         # skip through (its rows' words only). A counter-based one (CUDA's Philox) gives a piece
         # its rows only from the whole batch's draw: dp x micro-batches times the mask's memory on
@@ -139,8 +154,18 @@ class PieceCall:
         watched = pieces is not None or off_reason is not None
         self.start_states = _generator_states(owner.device_type) if watched else ()
 
-    def run_piece(self, index: int, forward: Callable[[], Any], then: Callable[[Any], None]) -> Any:
-        """``then(forward())`` for piece ``index``, its random ops drawn as one device draws them."""
+    def run_piece(
+        self,
+        index: int,
+        forward: Callable[[], Any],
+        then: Callable[[Any], None],
+        resized: Callable[[], Any] | None = None,
+    ) -> Any:
+        """``then(forward())`` for piece ``index``, its random ops drawn as one device draws them.
+
+        ``resized``: a forward of the same piece with its rows doubled, run without gradients to
+        learn the random tensors' layout at the first forward that draws (module docstring).
+        """
         if self.pieces is None:
             output = forward()
             if self.off_reason is not None and _moved(self.start_states, self.owner.device_type):
@@ -155,11 +180,46 @@ class PieceCall:
                 return output
             del output  # it drew random numbers after all: run it again as one device would
         _restore(self.owner.device_type, self.start_states)
-        with batch_piece_random(self.pieces[index]) as record:
+        piece = self._piece(index)
+        if self.owner.layout is not None or resized is None:
+            with batch_piece_random(piece) as record:
+                output = forward()
+                then(output)
+            self.owner.draws[self.training] = record.random_ops > 0
+            return output
+        with batch_piece_random(piece) as record:
             output = forward()
-            then(output)
         self.owner.draws[self.training] = record.random_ops > 0
+        if record.random_ops and self._learn_layout(record, piece, resized):
+            del output  # drawn with rows where the tensors do not hold them: again, with the layout
+            _restore(self.owner.device_type, self.start_states)
+            piece = self._piece(index)
+            with batch_piece_random(piece):
+                output = forward()
+        with batch_piece_random(piece):
+            then(output)
         return output
+
+    def _piece(self, index: int) -> BatchPiece:
+        assert self.pieces is not None
+        layout = self.owner.layout
+        return self.pieces[index] if layout is None else self.pieces[index].with_layout(layout)
+
+    def _learn_layout(self, record: BatchPieceRandom, piece: BatchPiece, resized: Callable[[], Any]) -> bool:
+        """Learn the layout from ``record``'s shapes and a forward of ``resized``; whether it reads
+        any recorded tensor otherwise than the batch-major reading the forward drew with."""
+        with torch.no_grad(), _generators_kept_on(self.owner.device_type), count_random_ops() as doubled:
+            resized()
+        layout = batch_layout(record.shapes, piece.rows, doubled.shapes, 2 * piece.rows)
+        self.owner.layout = layout
+        learned = piece.with_layout(layout)
+        return any(piece.locate(shape) != learned.locate(shape) for shape in record.shapes)
+
+
+def _generators_kept_on(device_type: str) -> Any:
+    """The CPU generator, and ``device_type``'s current one, as they were after the body."""
+    devices = [] if device_type == "cpu" else [torch.get_device_module(device_type).current_device()]
+    return torch.random.fork_rng(devices=devices, device_type=device_type)
 
 
 def _moved(start_states: tuple[torch.Tensor, ...], device_type: str) -> bool:

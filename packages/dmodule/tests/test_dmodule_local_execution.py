@@ -239,6 +239,9 @@ def _toy_errors(block_name: str, local_execution: bool = True) -> dict[str, Any]
     block = blocks[block_name]()
     model = _Root(block)
     reference = copy.deepcopy(model)
+    # The float32 reference's own rounding (its distance from float64) sets each bound's floor:
+    # on an AVX-512 CPU it reaches 7e-6 on the accumulated gradients (1e-7 on AVX2).
+    reference64 = copy.deepcopy(model).double()
     seen = []
     if block_name == "hooked":
         # A user's hook inside the block sees what it saw without local execution: DTensors.
@@ -251,32 +254,48 @@ def _toy_errors(block_name: str, local_execution: bool = True) -> dict[str, Any]
         )
     parallelize_module(model, mesh, _TOY_PLAN, local_execution=local_execution)
     kwargs = {"notes": _Notes()} if block_name == "takes_object" else {}
-    errors = []
+    errors, bounds = [], []
+
+    def compare(ours: torch.Tensor, theirs: torch.Tensor, exact: torch.Tensor) -> None:
+        scale = max(exact.abs().max().item(), 1e-30)
+        errors.append((ours.double() - exact).abs().max().item() / scale)
+        bounds.append(max(TOY_RTOL, 4 * (theirs.double() - exact).abs().max().item() / scale))
+
     for sign in (1.0, -1.0, 1.0):
         x = sign * (torch.arange(24.0).reshape(3, 8) / 10 + 0.5)
         ours = model(x, **kwargs)
         ours.full_tensor().square().sum().backward()
         theirs = reference(x, **kwargs)
         theirs.square().sum().backward()
-        errors.append((ours.full_tensor() - theirs).abs().max().item() / theirs.abs().max().item())
-        with torch.no_grad():  # a training step's worth of change, the same on both sides
-            for parameter in [*model.parameters(), *reference.parameters()]:
+        exact = reference64(x.double(), **kwargs)
+        exact.square().sum().backward()
+        compare(ours.full_tensor().detach(), theirs.detach(), exact.detach())
+        with torch.no_grad():  # a training step's worth of change, the same on every side
+            for parameter in [*model.parameters(), *reference.parameters(), *reference64.parameters()]:
                 parameter.add_(0.25)
-    # Gradients accumulated over the three calls on both sides.
-    for parameter, expected in zip(model.parameters(), reference.parameters(), strict=True):
+    # Gradients accumulated over the three calls on every side.
+    for parameter, expected, exact in zip(
+        model.parameters(), reference.parameters(), reference64.parameters(), strict=True
+    ):
         gradient = parameter.grad.full_tensor() if isinstance(parameter.grad, DTensor) else parameter.grad
-        scale = max(expected.grad.abs().max().item(), 1e-30)
-        errors.append((gradient - expected.grad).abs().max().item() / scale)
+        compare(gradient, expected.grad, exact.grad)
     buffers = [
         (buffer, expected) for buffer, expected in zip(model.buffers(), reference.buffers(), strict=True)
     ]
     buffer_errors = [(buffer - expected).abs().max().item() for buffer, expected in buffers]
     return {
         "errors": errors,
+        "bounds": bounds,
         "report": local_execution_report(model),
         "buffer_errors": buffer_errors,
         "hook_saw": seen,
     }
+
+
+def _assert_within_toy_bounds(result: dict[str, Any], rank: int) -> None:
+    """Each error (against float64) within TOY_RTOL or 4x the float32 reference's own error."""
+    pairs = list(zip(result["errors"], result["bounds"], strict=True))
+    assert all(error <= bound for error, bound in pairs), f"rank {rank}: (error, bound) {pairs}"
 
 
 @pytest.mark.parametrize(
@@ -293,7 +312,7 @@ def _toy_errors(block_name: str, local_execution: bool = True) -> dict[str, Any]
 )
 def test_blocks_that_cannot_run_locally_run_as_dtensors(block_name, expected_verdict):
     for rank, result in enumerate(run_on_ranks(_toy_errors, world_size=2, args=(block_name,))):
-        assert max(result["errors"]) < TOY_RTOL, f"rank {rank}: {result['errors']}"
+        _assert_within_toy_bounds(result, rank)
         verdicts = result["report"]["block"]
         assert verdicts and verdicts[0].startswith(expected_verdict), verdicts
         assert set(result["hook_saw"]) <= {"DTensor"}
@@ -462,7 +481,7 @@ def test_a_module_with_hooks_of_its_own_runs_locally_and_its_hooks_see_dtensors(
     }
     for rank, (result, without) in enumerate(zip(runs[True], runs[False], strict=True)):
         assert result["report"]["block"][-1] == "local", result["report"]
-        assert max(result["errors"]) < TOY_RTOL, f"rank {rank}: {result['errors']}"
+        _assert_within_toy_bounds(result, rank)
         # What the hooks saw, call by call, is what they see without local execution (the plan
         # converts the block's input inside it, at `up`): no trial run adds a call.
         assert result["hook_saw"] == without["hook_saw"], (result["hook_saw"], without["hook_saw"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from vescale.dtensor.model_state import model_state_kept
+from vescale.dtensor.model_state import buffers_kept, model_state_kept
 
 
 class SwapsOnFirstForward(nn.Module):
@@ -86,3 +86,34 @@ def test_meta_buffers_are_left_alone():
     with model_state_kept(model):
         model(torch.empty(3, 4, device="meta"))
     assert model.mode == "sparse" and model.norm.running_mean.is_meta
+
+
+def test_buffers_kept_puts_back_buffer_values_and_leaves_the_structure():
+    """What a probe forward of a parallelized model runs under: FSDP2's and local execution's own
+    changes to the modules stay, BatchNorm's statistics do not."""
+    model = SwapsOnFirstForward()
+    running_mean = model.norm.running_mean.clone()
+    with torch.no_grad(), buffers_kept(model):
+        model(torch.randn(3, 4))
+    assert model.mode == "full" and isinstance(model.attention, nn.Sequential)
+    assert torch.equal(model.norm.running_mean, running_mean)
+
+
+def dtensor_buffer_after_a_kept_forward() -> torch.Tensor:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from vescale.dtensor import init_mesh
+
+    mesh = init_mesh(tp=2)
+    model = nn.BatchNorm1d(4)
+    model.running_mean = distribute_tensor(torch.zeros(4), mesh, [Replicate()])
+    with torch.no_grad(), buffers_kept(model):
+        model.running_mean.add_(1.0)  # as BatchNorm's forward updates it
+    return model.running_mean.to_local()
+
+
+def test_a_dtensor_buffer_gets_its_local_values_back():
+    from vescale.dtensor.testing import run_on_ranks
+
+    for values in run_on_ranks(dtensor_buffer_after_a_kept_forward, world_size=2):
+        assert torch.equal(values, torch.zeros(4))

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-__all__ = ["generators_kept", "model_state_kept"]
+__all__ = ["buffers_kept", "generators_kept", "model_state_kept"]
 
 _CONTAINERS = ("_modules", "_parameters", "_buffers")
 
@@ -64,13 +65,47 @@ def _restore(module: nn.Module, attributes: dict[str, Any], containers: dict[str
     module.__dict__.update(attributes)
 
 
+def _values_of(buffer: torch.Tensor) -> torch.Tensor | None:
+    """The tensor holding ``buffer``'s values on this rank (a DTensor's local shard), or None
+    where it holds none to write (meta, fake or deferred)."""
+    if isinstance(buffer, DTensor):
+        buffer = buffer.to_local()
+    if type(buffer) is not torch.Tensor or buffer.is_meta:
+        return None
+    return buffer
+
+
+@contextlib.contextmanager
+def buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Run the body, then give every buffer of ``model`` its values back (BatchNorm's statistics);
+    on a DTensor buffer, this rank's shard. The module structure is left as the body leaves it.
+
+    Example::
+
+        with torch.no_grad(), buffers_kept(parallel_model):
+            parallel_model(**probe_batch)          # a probe forward: no statistics updated
+    """
+    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for buffer in model.buffers():
+        values = _values_of(buffer)
+        if values is not None and id(values) not in saved:
+            saved[id(values)] = (values, values.detach().clone())
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for values, value in saved.values():
+                if not torch.equal(values, value):
+                    values.copy_(value)
+
+
 @contextlib.contextmanager
 def model_state_kept(model: nn.Module) -> Iterator[None]:
     """Run the body, then give every module of ``model`` back its attributes, submodules,
     parameters, buffers and buffer values, and the generators their states (module docstring).
 
-    Parameters' values are not copied (a forward does not write them); buffers' are, where they
-    hold data (not on the meta device, not fake or deferred).
+    For a model not yet parallelized (a planning trace): parameters' values are not copied (a
+    forward does not write them); buffers' are, where they hold data (:func:`buffers_kept`).
 
     Example::
 
@@ -78,18 +113,9 @@ def model_state_kept(model: nn.Module) -> Iterator[None]:
             model(input_ids)
     """
     modules = {id(module): (module, *_snapshot(module)) for module in model.modules()}
-    buffer_values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for buffer in model.buffers():
-        # Plain tensors with data only: a meta, fake or deferred buffer holds no values to write.
-        if type(buffer) is torch.Tensor and not buffer.is_meta and id(buffer) not in buffer_values:
-            buffer_values[id(buffer)] = (buffer, buffer.detach().clone())
     try:
-        with generators_kept(model):
+        with buffers_kept(model), generators_kept(model):
             yield
     finally:
         for module, attributes, containers in modules.values():
             _restore(module, attributes, containers)
-        with torch.no_grad():
-            for buffer, value in buffer_values.values():
-                if not torch.equal(buffer, value):
-                    buffer.copy_(value)

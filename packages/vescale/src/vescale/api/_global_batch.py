@@ -45,7 +45,7 @@ from vescale.doptim import data_parallel_of
 from vescale.doptim.mesh_groups import mesh_dims_group
 from vescale.dpipe import loss_with_backward_done
 from vescale.dpipe.pipeline_module import ModuleWrapper
-from vescale.dtensor.model_state import model_state_kept
+from vescale.dtensor.model_state import buffers_kept
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -197,11 +197,14 @@ class ParallelizedModel(ModuleWrapper):
         return self._call_module(**batch)
 
     def _resized_run(self, batch: Mapping[str, Any]) -> Callable[[], Any]:
-        """A forward of ``batch`` with its rows doubled that leaves the module as it was: the
-        second batch size from which a piece learns where random tensors hold its rows."""
+        """A forward of ``batch`` with its rows doubled that leaves the module's buffers as they
+        were: the second batch size from which a piece learns where random tensors hold its rows.
+        It runs after the call's first forward, so a change a first forward makes to the model
+        (BigBird's attention swap) is already made; the structure is left alone (FSDP2 registers
+        its unsharded parameters on the modules, local execution its forwards)."""
 
         def run() -> None:
-            with model_state_kept(self.module):
+            with buffers_kept(self.module):
                 self._run(_doubled_rows(batch))
 
         return run

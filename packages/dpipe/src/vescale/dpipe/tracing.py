@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from vescale.dpipe import _compat
 from vescale.dpipe.errors import PipelineCutError
-from vescale.dtensor.batch_random import batch_layout, count_random_ops
+from vescale.dtensor.batch_random import batch_layout, batch_with_doubled_rows, count_random_ops
 from vescale.dtensor.deferred.fake_values import FakeValuePolicy
 from vescale.dtensor.grouped_mm_shapes import GroupedMatmulShapes
 from vescale.dtensor.model_state import model_state_kept
@@ -70,7 +70,7 @@ class ModelTrace:
     random_ops: int = 0
     # The shape of each random op's tensor, in order (for batch_layout).
     random_shapes: tuple[tuple[int, ...], ...] = ()
-    # Where each random tensor holds the batch's rows (BatchPiece.layout; random_layout() fills it).
+    # Where each random tensor holds the batch's rows (BatchPiece.layout; with_random_layout fills it).
     random_layout: tuple[tuple[int, int | None], ...] = ()
 
 
@@ -173,15 +173,11 @@ def with_random_layout(model: nn.Module, example_batch: Mapping[str, Any], trace
         trace = with_random_layout(model, batch, trace_model(model, batch))
         trace.random_layout   # XLNet: ((3, 1), (4, 2)): sequence-first activations
     """
-    rows = next((v.shape[0] for v in example_batch.values() if isinstance(v, torch.Tensor) and v.dim()), 0)
-    if not trace.random_ops or not rows:
+    if not trace.random_ops:
         return trace
-    doubled = {
-        name: torch.cat([value, value])
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows
-        else value
-        for name, value in example_batch.items()
-    }
+    rows, doubled = batch_with_doubled_rows(example_batch)
+    if not rows:
+        return trace
     other = trace_model(model, doubled)
     layout = batch_layout(trace.random_shapes, rows, other.random_shapes, 2 * rows)
     return dataclasses.replace(trace, random_layout=layout)

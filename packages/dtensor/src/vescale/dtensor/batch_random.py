@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,6 +50,8 @@ __all__ = [
     "BatchPieceRandom",
     "batch_layout",
     "batch_piece_random",
+    "batch_rows",
+    "batch_with_doubled_rows",
     "count_random_ops",
     "current_piece",
 ]
@@ -106,6 +108,35 @@ def batch_layout(
         if found.setdefault(ndim, dim) != dim:
             unclear.add(ndim)
     return tuple(sorted((ndim, dim) for ndim, dim in found.items() if ndim not in unclear))
+
+
+def batch_rows(batch: Mapping[str, Any]) -> int:
+    """The batch's rows (samples): the leading size of its first tensor with a dim (0 if none).
+
+    Example::
+
+        batch_rows({"input_ids": torch.zeros(2, 16, dtype=torch.long)})   # 2
+    """
+    return next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
+
+
+def batch_with_doubled_rows(batch: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+    """The batch's rows (:func:`batch_rows`) and the batch with each tensor of that leading size
+    repeated twice: the second size :func:`batch_layout` needs.
+
+    Example::
+
+        rows, doubled = batch_with_doubled_rows({"input_ids": torch.zeros(2, 16, dtype=torch.long)})
+        rows, doubled["input_ids"].shape   # 2, (4, 16)
+    """
+    rows = batch_rows(batch)
+    doubled = {
+        key: torch.cat([value, value])
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows
+        else value
+        for key, value in batch.items()
+    }
+    return rows, doubled
 
 
 @contextlib.contextmanager

@@ -45,7 +45,8 @@ from vescale.doptim import data_parallel_of
 from vescale.doptim.mesh_groups import mesh_dims_group
 from vescale.dpipe import loss_with_backward_done
 from vescale.dpipe.pipeline_module import ModuleWrapper
-from vescale.dtensor.model_state import buffers_kept
+from vescale.dtensor.batch_random import batch_rows, batch_with_doubled_rows
+from vescale.dtensor.model_state import buffers_kept, generators_kept
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -75,22 +76,6 @@ def _split(batch: Mapping[str, Any], pieces: int) -> list[dict[str, Any]]:
         }
         for index in range(pieces)
     ]
-
-
-def _rows(batch: Mapping[str, Any]) -> int:
-    """The batch's rows (samples): the leading size of its first tensor with a dim (0 if none)."""
-    return next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0), 0)
-
-
-def _doubled_rows(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """``batch`` with each tensor holding its rows (leading size ``_rows(batch)``) repeated twice."""
-    rows = _rows(batch)
-    return {
-        key: torch.cat([value, value])
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows
-        else value
-        for key, value in batch.items()
-    }
 
 
 def _concatenated(outputs: list[Any], loss: torch.Tensor) -> Any:
@@ -197,15 +182,16 @@ class ParallelizedModel(ModuleWrapper):
         return self._call_module(**batch)
 
     def _resized_run(self, batch: Mapping[str, Any]) -> Callable[[], Any]:
-        """A forward of ``batch`` with its rows doubled that leaves the module's buffers as they
-        were: the second batch size from which a piece learns where random tensors hold its rows.
+        """A forward of ``batch`` with its rows doubled that leaves the module's buffers and the
+        generators as they were: the second batch size from which a piece learns where random
+        tensors hold its rows.
         It runs after the call's first forward, so a change a first forward makes to the model
         (BigBird's attention swap) is already made; the structure is left alone (FSDP2 registers
         its unsharded parameters on the modules, local execution its forwards)."""
 
         def run() -> None:
-            with buffers_kept(self.module):
-                self._run(_doubled_rows(batch))
+            with generators_kept(self.module), buffers_kept(self.module):
+                self._run(batch_with_doubled_rows(batch)[1])
 
         return run
 
@@ -288,7 +274,7 @@ class ParallelizedModel(ModuleWrapper):
         hf_recompute = torch.is_grad_enabled() and getattr(self.module, "is_gradient_checkpointing", False)
         call = self._randomness.call(
             training=self.training,
-            rows_per_piece=_rows(batch),
+            rows_per_piece=batch_rows(batch),
             pieces=1,
             off_reason="under transformers' gradient checkpointing with one micro-batch per rank"
             if hf_recompute
@@ -320,7 +306,7 @@ class ParallelizedModel(ModuleWrapper):
         weighted_sum: torch.Tensor | None = None
         training = torch.is_grad_enabled()
         call = self._randomness.call(
-            training=self.training, rows_per_piece=_rows(micro_batches[0]), pieces=len(micro_batches)
+            training=self.training, rows_per_piece=batch_rows(micro_batches[0]), pieces=len(micro_batches)
         )
         for index, (micro_batch, terms) in enumerate(zip(micro_batches, counts, strict=True)):
             last = index == len(micro_batches) - 1
@@ -368,7 +354,7 @@ class ParallelizedModel(ModuleWrapper):
                 "pipeline_parallel"
             )
         pipeline = cast("PipelineModule", self.module)
-        rows = _rows(batch)
+        rows = batch_rows(batch)
         pipeline.set_global_batch(self._randomness.batch_rank * rows, rows * self._dp_size)
         # Each stage replays one device's draws on CPU (vescale.dpipe.random_carry), not compiled.
         pipeline.replays_random_numbers = (

@@ -17,7 +17,7 @@ again under it (its output is dropped; a second forward of that piece, once).
 Where a random op's tensor holds the piece's rows (dim 0 of GPT-2's ``(batch, seq, hidden)``,
 dim 1 of XLNet's sequence-first ``(seq, batch, hidden)``) is learned once, at the first forward
 that draws: a forward without gradients of the same piece with its rows doubled (its output
-dropped, the model's state and the generators put back) gives each random op's shape at a
+dropped, the model's buffers and the generators put back) gives each random op's shape at a
 second batch size (:func:`vescale.dtensor.batch_random.batch_layout`). If the layout reads any
 of that first forward's tensors otherwise than as batch-major, the forward runs again with it.
 
@@ -163,8 +163,9 @@ class PieceCall:
     ) -> Any:
         """``then(forward())`` for piece ``index``, its random ops drawn as one device draws them.
 
-        ``resized``: a forward of the same piece with its rows doubled, run without gradients to
-        learn the random tensors' layout at the first forward that draws (module docstring).
+        ``resized``: a forward of the same piece with its rows doubled that puts back the generators
+        and buffers, run without gradients to learn the random tensors' layout at the first
+        forward that draws (module docstring).
         """
         if self.pieces is None:
             output = forward()
@@ -208,18 +209,12 @@ class PieceCall:
     def _learn_layout(self, record: BatchPieceRandom, piece: BatchPiece, resized: Callable[[], Any]) -> bool:
         """Learn the layout from ``record``'s shapes and a forward of ``resized``; whether it reads
         any recorded tensor otherwise than the batch-major reading the forward drew with."""
-        with torch.no_grad(), _generators_kept_on(self.owner.device_type), count_random_ops() as doubled:
-            resized()
+        with torch.no_grad(), count_random_ops() as doubled:
+            resized()  # the generators and buffers are put back by it
         layout = batch_layout(record.shapes, piece.rows, doubled.shapes, 2 * piece.rows)
         self.owner.layout = layout
         learned = piece.with_layout(layout)
         return any(piece.locate(shape) != learned.locate(shape) for shape in record.shapes)
-
-
-def _generators_kept_on(device_type: str) -> Any:
-    """The CPU generator, and ``device_type``'s current one, as they were after the body."""
-    devices = [] if device_type == "cpu" else [torch.get_device_module(device_type).current_device()]
-    return torch.random.fork_rng(devices=devices, device_type=device_type)
 
 
 def _moved(start_states: tuple[torch.Tensor, ...], device_type: str) -> bool:

@@ -22,6 +22,7 @@ the step itself: at lr 1e3 it rounded at ulp(parameter) / lr, 8.7e-6 of XLNet's 
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -43,9 +44,9 @@ LOSS_BOUND = 1e-6
 GRADIENT_BOUND = 1e-5
 
 
-def build_gpt2(dropout: bool = True, hf_checkpointing: bool = False) -> torch.nn.Module:
+def build_gpt2(dropout: bool = True, hf_checkpointing: bool = False, layers: int = 2) -> torch.nn.Module:
     """A tiny GPT-2 with every default but its sizes: dropout 0.1 in four places (or none)."""
-    config = transformers.GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=layers, n_head=4)
     assert (config.embd_pdrop, config.attn_pdrop, config.resid_pdrop) == (0.1, 0.1, 0.1)
     if not dropout:
         config.embd_pdrop = config.attn_pdrop = config.resid_pdrop = 0.0
@@ -63,7 +64,11 @@ def build_xlnet(dropout: bool = True, hf_checkpointing: bool = False) -> torch.n
     return model
 
 
-BUILDERS = {"gpt2": build_gpt2, "xlnet": build_xlnet}
+BUILDERS = {
+    "gpt2": build_gpt2,
+    "gpt2-4-blocks": functools.partial(build_gpt2, layers=4),  # four stages, two per rank
+    "xlnet": build_xlnet,
+}
 
 
 def batch() -> dict[str, torch.Tensor]:
@@ -76,9 +81,14 @@ def step_on_rank(
 ) -> tuple[float, dict, torch.Tensor]:
     vescale.manual_seed(0)
     model = vescale.deferred_init(BUILDERS[arch], dropout, hf_checkpointing)
+    pipeline_edits = constraints.pop("pipeline_edits", {})
     plan = vescale.generate_plan(
         model, {"global_batch_size": GLOBAL_BATCH, "sequence_length": SEQUENCE, **constraints}
     )
+    if pipeline_edits:  # what a user edits in the plan's JSON (virtual stages are not a constraint)
+        plan_dict = plan.to_dict()
+        plan_dict["pipeline_parallel"].update(pipeline_edits)
+        plan = vescale.Plan.from_dict(plan_dict)
     model, optimizer, _, _ = vescale.parallelize(
         plan, model, lambda module: torch.optim.SGD(module.parameters(), lr=SGD_LR)
     )
@@ -115,6 +125,8 @@ def step_on_rank(
         # Tensor parallelism's local execution must not try a module that holds a stage's units:
         # its trial ran the stage boundary's generator entry out of turn (1.5e-3 on BlenderBot).
         ({"pipeline_parallel.size": 2, "tensor_parallel.size": 2}, 4),
+        # Every axis at once: a dp rank's rows, cut into micro-batches, tensor-parallel masks in each.
+        ({"pipeline_parallel.size": 2, "data_parallel.size": 2, "tensor_parallel.size": 2}, 8),
     ],
     ids=[
         "dp2",
@@ -126,10 +138,22 @@ def step_on_rank(
         "pp2-one-micro-batch",
         "pp2xdp2-full-recompute",
         "pp2xtp2",
+        "pp2xdp2xtp2",
     ],
 )
 def test_gpt2_default_dropout_matches_single_device(constraints, world_size):
     _assert_default_dropout_matches_single_device("gpt2", constraints, world_size)
+
+
+def test_gpt2_default_dropout_matches_single_device_under_zbv():
+    """Two stages per rank, the last rank running the second half's first stage and the first
+    rank its last (ZBV's V shape), weight gradients apart from input gradients: each stage starts
+    from one device's state where its layers begin, whichever rank holds it. Virtual stages are
+    not a constraint: the generated plan is edited, as a user edits its JSON."""
+    edits = {"schedule": "zbv", "virtual_stages": 2}
+    _assert_default_dropout_matches_single_device(
+        "gpt2-4-blocks", {"pipeline_parallel.size": 2, "pipeline_edits": edits}, 2
+    )
 
 
 @pytest.mark.parametrize(

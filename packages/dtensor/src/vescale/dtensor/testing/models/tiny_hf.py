@@ -1,9 +1,16 @@
 """Tiny ``transformers`` decoder-only models (built from a config, nothing downloaded).
 
 ``transformers`` is a test dependency: this module imports it, ``vescale.dtensor`` never
-does. Every model is float32, eval-free of dropout, and uses PyTorch's
-scaled-dot-product attention, so its aten ops are the ones a real run would send to
-DTensor.
+does. Every model is float32 and uses PyTorch's scaled-dot-product attention, so its aten
+ops are the ones a real run would send to DTensor.
+
+GPT-2's dropout is set to 0 here, and only here: these models serve the components' tests,
+which cut the batch by hand (a dp rank's rows, an accumulation reference's micro-batches), where
+no component can know which rows of the global batch it holds, so that no mask could be one
+device's. Dropout drawn as one device draws it is tested with the architectures' defaults where
+the rows are known: ``test_dmodule_dropout`` (tensor parallelism alone), ``test_dpipe_dropout``,
+and ``test_vescale_api_dropout`` through ``vescale.parallelize`` on every axis (dp, tp, pp with
+1F1B and ZBV, pp x dp x tp, recomputation), besides ``test_vescale_api_checkpoint``'s resumed run.
 
 Example::
 

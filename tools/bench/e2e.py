@@ -31,6 +31,10 @@ would write, after torchtitan's ``parallelize`` for Llama:
   recipe on ``transformers``' module names) against ``vescale.parallelize`` of a plan with the
   same cuts and schedule (``pipeline_parallel.split_points``), which runs the model's own forward
   per stage;
+* ``native pp2×dp2 1f1b`` / ``vescale pp2×dp2 1f1b``: the same with 2 stages (cut before layer
+  ``L/2``), each data-parallel over 2 ranks: the native stages are ``DistributedDataParallel``
+  modules (PyTorch's stage defers their all-reduce to the last micro-batch's backward), ours a
+  ZeRO-0 plan;
 * ``vescale dp2×tp2 sdpa selective`` / ``full`` (and ``+compile``), run only when named:
   what recomputation costs per step, against the sdpa row without it.
 
@@ -80,8 +84,8 @@ PAIRS = (
     ("vescale dp4", "native dp4"),
     ("vescale dp4+compile", "native dp4+compile"),
     ("vescale pp4 1f1b", "native pp4 1f1b"),
+    ("vescale pp2×dp2 1f1b", "native pp2×dp2 1f1b"),
 )
-PIPELINE_STAGES = 4
 # Recomputation rows are measured against the same plan without recomputation.
 OURS_TO_NATIVE = {
     **dict(PAIRS),
@@ -102,22 +106,34 @@ def _config(hidden: int, layers: int, attention: str = "eager") -> transformers.
     )
 
 
+def _pipeline_stages(variant: str) -> int:
+    """The pipeline size of ``variant`` (1: no pipeline)."""
+    return 4 if "pp4" in variant else 2 if "pp2" in variant else 1
+
+
 def _data_parallel(variant: str) -> int:
     """The data-parallel size of ``variant`` (of 4 ranks)."""
-    return 1 if "pp4" in variant else 4 if "dp4" in variant else 2
+    if "pp4" in variant:
+        return 1
+    return 4 if "dp4" in variant else 2
+
+
+def _data_parallel_rank(variant: str) -> int:
+    """This rank's index on ``dp``: meshes are laid out pp, dp, tp (``vescale.dtensor.MESH_DIM_ORDER``)."""
+    dp = _data_parallel(variant)
+    tp = 4 // (dp * _pipeline_stages(variant))
+    return dist.get_rank() // tp % dp
 
 
 def _sdpa(variant: str) -> bool:
-    return any(name in variant for name in ("sdpa", "dp4", "pp4"))
+    return any(name in variant for name in ("sdpa", "dp4", "pp4", "pp2"))
 
 
-def _cuts(layers: int) -> tuple[int, ...]:
+def _cuts(layers: int, stages: int) -> tuple[int, ...]:
     """The decoder layers the pipeline's stages after the first start at (uniform)."""
-    if layers < PIPELINE_STAGES:
-        raise ValueError(
-            f"a {PIPELINE_STAGES}-stage pipeline needs at least {PIPELINE_STAGES} layers, got {layers}"
-        )
-    return tuple(stage * layers // PIPELINE_STAGES for stage in range(1, PIPELINE_STAGES))
+    if layers < stages:
+        raise ValueError(f"a {stages}-stage pipeline needs at least {stages} layers, got {layers}")
+    return tuple(stage * layers // stages for stage in range(1, stages))
 
 
 def _optimizer_fn(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -167,10 +183,17 @@ def _native(
     variant: str, config: transformers.LlamaConfig, batch: int
 ) -> tuple[torch.nn.Module | NativePipeline, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    if "pp4" in variant:
-        mesh = init_device_mesh("cpu", (PIPELINE_STAGES,), mesh_dim_names=("pp",))
+    stages = _pipeline_stages(variant)
+    if stages > 1:
+        dp = _data_parallel(variant)
+        mesh = init_device_mesh("cpu", (stages, dp), mesh_dim_names=("pp", "dp"))
         pipeline = NativePipeline.build(
-            config, mesh["pp"], cuts=_cuts(config.num_hidden_layers), schedule="1f1b", microbatches=batch
+            config,
+            mesh["pp"],
+            cuts=_cuts(config.num_hidden_layers, stages),
+            schedule="1f1b",
+            microbatches=batch,
+            dp_group=mesh.get_group("dp") if dp > 1 else None,
         )
         return pipeline, _optimizer_fn(pipeline.stage_module)
     model = transformers.LlamaForCausalLM(config)
@@ -209,19 +232,20 @@ def _build(
 ) -> tuple[torch.nn.Module | NativePipeline, torch.optim.Optimizer]:
     if variant.startswith("native"):
         return _native(variant, config, batch)
-    dp = _data_parallel(variant)
-    if dp == 1:  # the pipeline: one-row micro-batches, PyTorch's 1F1B, the native side's cuts
+    dp, stages = _data_parallel(variant), _pipeline_stages(variant)
+    if stages > 1:  # the pipeline: one-row micro-batches, PyTorch's 1F1B, the native side's cuts
         constraints = {
-            "pipeline_parallel.size": PIPELINE_STAGES,
-            "data_parallel.size": 1,
+            "pipeline_parallel.size": stages,
+            "data_parallel.size": dp,
             "tensor_parallel.size": 1,
+            "zero.stage": 0,
             "pipeline_parallel.schedule": "1f1b",
             "pipeline_parallel.num_microbatches": batch,
             "pipeline_parallel.split_method": "manual",
             "pipeline_parallel.split_points": [
-                f"model.layers.{cut}" for cut in _cuts(config.num_hidden_layers)
+                f"model.layers.{cut}" for cut in _cuts(config.num_hidden_layers, stages)
             ],
-            "global_batch_size": batch,
+            "global_batch_size": dp * batch,
         }
         return _vescale(config, constraints, compile_model=False)
     constraints = {"data_parallel.size": 4, "zero.stage": 0}
@@ -266,9 +290,8 @@ def pair_on_ranks(
     """
     torch._dynamo.config.recompile_limit = 64  # both sides' blocks share one code object
     config = _config(hidden, layers, "sdpa" if _sdpa(ours) else "eager")
-    dp = _data_parallel(ours)
-    # Each dp rank's own rows (the tp ranks of one dp rank share them).
-    generator = torch.Generator().manual_seed(dist.get_rank() // (4 // dp))
+    # Each dp rank's own rows (the tp ranks and pipeline stages of one dp rank share them).
+    generator = torch.Generator().manual_seed(_data_parallel_rank(ours))
     input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
     sides = {}
     for variant in (native, ours):
@@ -288,7 +311,7 @@ def pair_on_ranks(
 def _warm_up_side(variant: str, attention: str, batch: int, input_ids: torch.Tensor) -> None:
     """Build ``variant`` on a 64-wide twin of the model (one layer, a pipeline's one per stage)
     and run a step, then drop it."""
-    layers = PIPELINE_STAGES if _data_parallel(variant) == 1 else 1
+    layers = max(_pipeline_stages(variant), 1)
     model, optimizer = _build(variant, _config(64, layers, attention), batch)
     _steps(model, optimizer, input_ids, 1)
     del model, optimizer
@@ -305,8 +328,7 @@ def peak_on_ranks(
     (its weights, optimizer state, activations and temporaries): of malloc's bytes in use (the
     checked figure) and of the resident set."""
     config = _config(hidden, layers, "sdpa" if _sdpa(variant) else "eager")
-    dp = _data_parallel(variant)
-    generator = torch.Generator().manual_seed(dist.get_rank() // (4 // dp))
+    generator = torch.Generator().manual_seed(_data_parallel_rank(variant))
     input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
     _warm_up_side(variant, "sdpa" if _sdpa(variant) else "eager", batch, input_ids)
     with PeakResident() as resident, PeakHeapInUse() as heap:

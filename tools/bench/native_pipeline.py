@@ -5,7 +5,10 @@ this rank's stage (the embedding on the first, its decoder layers, the final nor
 last), materialize and initialize only that, and drive a ``PipelineStage`` with one of PyTorch's
 schedules; the last stage's loss is ``transformers``' own causal-LM loss of its micro-batch's
 logits (the schedule scales the gradients by ``1 / n_microbatches``, as dpipe averages its
-micro-batch losses). Used by ``e2e.py``'s pipeline pairs.
+micro-batch losses). With a ``dp_group``, each stage is a ``DistributedDataParallel`` module over
+it (gradients as bucket views, 25 MB buckets): PyTorch's stage runs every micro-batch but the last
+under ``no_sync`` and lets the last backward all-reduce, overlapped, as torchtitan's pipeline with
+DDP does. Used by ``e2e.py``'s pipeline pairs.
 
 Example::
 
@@ -17,10 +20,12 @@ Example::
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import transformers
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn.parallel import DistributedDataParallel
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -87,8 +92,10 @@ class NativePipeline:
         schedule: str,
         microbatches: int,
         seed: int = 0,
+        dp_group: dist.ProcessGroup | None = None,
     ) -> NativePipeline:
-        """Stage ``pp_mesh.get_local_rank()`` of the model cut before decoder layers ``cuts``."""
+        """Stage ``pp_mesh.get_local_rank()`` of the model cut before decoder layers ``cuts``,
+        data-parallel over ``dp_group`` when given."""
         index, stages = pp_mesh.get_local_rank(), pp_mesh.size()
         if len(cuts) != stages - 1:
             raise ValueError(f"{stages} stages need {stages - 1} cuts, got {cuts}")
@@ -108,7 +115,12 @@ class NativePipeline:
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             return ForCausalLMLoss(logits, labels, vocab)
 
-        stage = PipelineStage(stage_module, index, stages, torch.device("cpu"), group=pp_mesh.get_group())
+        submodule: nn.Module = stage_module
+        if dp_group is not None:
+            submodule = DistributedDataParallel(
+                stage_module, process_group=dp_group, bucket_cap_mb=25, gradient_as_bucket_view=True
+            )
+        stage = PipelineStage(submodule, index, stages, torch.device("cpu"), group=pp_mesh.get_group())
         runner = _SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=loss_fn)
         return cls(stage_module, runner, first=first, last=last)
 

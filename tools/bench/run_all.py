@@ -94,6 +94,7 @@ BENCHES: dict[str, tuple[list[str], list[str]]] = {
             "--pairs",
             "vescale dp2×tp2 sdpa",
             "vescale pp4 1f1b",
+            "vescale pp2×dp2 1f1b",
             "--reuse-ranks",
         ],
     ),

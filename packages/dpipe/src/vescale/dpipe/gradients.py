@@ -1,13 +1,15 @@
 """The gradients a pipeline schedule leaves behind, made into the whole batch's gradients.
 
-PyTorch's schedules accumulate every micro-batch's gradient unscaled, and its zero-bubble
-schedules write weight gradients with ``param.grad += dw`` outside autograd, so the
-post-accumulate-grad hooks that data parallelism (``vescale.doptim``'s DDP buckets) and tensor
-parallelism (dmodule's grad sync of ``Partial`` gradients) rely on see only some of them.
-After the schedule, this module divides each gradient by the micro-batch count once (taking
-back first the ones DDP holds in its buckets: a parameter of another dtype than the buckets'), sums
-tied parameters (GPT-2's ``wte``/``lm_head``) over the pipeline stages that hold them, and
-then hands every gradient to autograd once more (``torch.autograd.backward`` on the
+Each micro-batch's backward starts from its share of the batch's mean loss (its loss divided
+by the micro-batch count), so the schedule's accumulation adds up the batch's gradient and
+nothing divides after it: gradients that a loop accumulated over earlier calls stay as they were
+(a division after the schedule divided them again). PyTorch's zero-bubble schedules write weight
+gradients with ``param.grad += dw`` outside autograd, so the post-accumulate-grad hooks that
+data parallelism (``vescale.doptim``'s DDP buckets) and tensor parallelism (dmodule's grad sync
+of ``Partial`` gradients) rely on see only some of them. After the schedule, this module sums
+tied parameters (GPT-2's ``wte``/``lm_head``) over the pipeline stages that hold them (taking
+back first the gradients DDP holds in its buckets: a parameter of another dtype than the
+buckets'), then hands every gradient to autograd once more (``torch.autograd.backward`` on the
 parameters themselves), so that each of those hooks sees each parameter's final gradient
 exactly once, whatever the schedule. Data-parallel averaging is held back during the
 schedule (DDP's ``no_sync``) and happens in that last pass: once per step, not once per
@@ -17,7 +19,7 @@ Example::
 
     with data_parallel_sync_deferred(pipe):
         schedule.step(**batch)
-    finish_pipeline_gradients(model.parameters(), tied, num_microbatches=4, pp_group=group)
+    finish_pipeline_gradients(model.parameters(), tied, local_stages=[0], pp_group=group, device=device)
 """
 
 from __future__ import annotations
@@ -34,7 +36,13 @@ from vescale.doptim import data_parallel_of
 from vescale.dpipe.dtensor_boundary import local_tensor
 from vescale.dpipe.split import StageLayout
 
-__all__ = ["TiedParameter", "data_parallel_sync_deferred", "finish_pipeline_gradients", "tied_parameters"]
+__all__ = [
+    "TiedParameter",
+    "data_parallel_sync_deferred",
+    "finish_pipeline_gradients",
+    "tied_gradients_counted_once",
+    "tied_parameters",
+]
 
 
 @dataclass(frozen=True)
@@ -84,35 +92,58 @@ def data_parallel_sync_deferred(module: nn.Module) -> Iterator[None]:
         yield
 
 
+def tied_gradients_counted_once(tied: list[TiedParameter], *, local_stages: list[int]) -> None:
+    """Before a call's schedule: keep the gradient a loop accumulated over earlier calls in one
+    copy of each tied parameter (the one of its first stage) and zero the other copies, so the
+    sum over the pipeline after the schedule counts it once and adds this call's contributions.
+
+    Example::
+
+        tied_gradients_counted_once(tied, local_stages=[1])
+        schedule.step(**batch)
+        finish_pipeline_gradients(model.parameters(), tied, local_stages=[1], pp_group=group, device=device)
+    """
+    for tied_parameter in tied:
+        held = tied_parameter.stages.intersection(local_stages)
+        if not held or min(tied_parameter.stages) in held:
+            continue
+        parameter = tied_parameter.parameter
+        if parameter.grad is not None:
+            parameter.grad.zero_()
+            continue
+        # DDP holds the earlier calls' gradient of a parameter not of its buckets' dtype: dropping
+        # what it hands back empties the bucket's range (its next hook copies instead of adding).
+        take = getattr(data_parallel_of(parameter), "take_accumulated_gradient", None)
+        if take is not None:
+            take(parameter)
+
+
 def finish_pipeline_gradients(
     parameters: Iterable[nn.Parameter],
     tied: list[TiedParameter],
     *,
     local_stages: list[int],
-    num_microbatches: int,
     pp_group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> None:
-    """Scale, sum tied copies over ``pp_group`` and re-deliver the gradients through autograd.
+    """Sum tied copies over ``pp_group`` and re-deliver the gradients through autograd.
 
     ``parameters`` are this rank's (each once). Call it on every pp rank (the tied sum is a
     collective) after the schedule ran its backward passes.
 
     Example::
 
-        finish_pipeline_gradients(model.parameters(), tied, local_stages=[0], num_microbatches=4,
+        finish_pipeline_gradients(model.parameters(), tied, local_stages=[0],
                                   pp_group=mesh.get_group("pp"), device=torch.device("cpu"))
     """
     parameters = list(parameters)
     for parameter in parameters:
         if parameter.grad is None:
             # DDP moved the gradient of a parameter of another dtype than its buckets' (a bf16 or
-            # float64 model) into a bucket: take it back, or it would miss the scaling below.
+            # float64 model) into a bucket: take it back for the tied sum and the re-delivery.
             data_parallel = data_parallel_of(parameter)
             take = getattr(data_parallel, "take_accumulated_gradient", None)
             parameter.grad = take(parameter) if take is not None else None
-        if parameter.grad is not None:
-            parameter.grad.div_(num_microbatches)
     for tied_parameter in tied:
         parameter = tied_parameter.parameter
         if not tied_parameter.stages.intersection(local_stages):

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -39,7 +40,12 @@ from vescale.dpipe.errors import (
     PipelinePlanError,
 )
 from vescale.dpipe.finished_loss import loss_with_backward_done
-from vescale.dpipe.gradients import data_parallel_sync_deferred, finish_pipeline_gradients, tied_parameters
+from vescale.dpipe.gradients import (
+    data_parallel_sync_deferred,
+    finish_pipeline_gradients,
+    tied_gradients_counted_once,
+    tied_parameters,
+)
 from vescale.dpipe.plan import PipelinePlan
 from vescale.dpipe.random_carry import GeneratorCarry, micro_batch_pieces
 from vescale.dpipe.schedules import build_schedule, local_stage_indices
@@ -92,9 +98,16 @@ def _check_output_type(model: nn.Module, output_type: type) -> None:
         )
 
 
-def _loss_of_last_stage(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
-    # The last stage returns (loss, logits): the model computed its own loss from the labels.
-    return output[0]
+def _loss_share_of_last_stage(
+    output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor, *, num_microbatches: int
+) -> torch.Tensor:
+    """A micro-batch's share of the batch's mean loss, which its backward starts from.
+
+    The last stage returns (loss, logits): the model computed its own loss from the labels. Scaled
+    here, each backward adds this call's share to the gradients and nothing divides them after
+    the schedule: gradients a loop accumulated over earlier calls stay as they were.
+    """
+    return output[0] / num_microbatches
 
 
 class ModuleWrapper(nn.Module):
@@ -213,6 +226,8 @@ class PipelineModule(ModuleWrapper):
         for module in self._stage_modules:
             module.logits.clear()
         run = schedule.step if training else schedule.eval
+        if training and has_labels:
+            tied_gradients_counted_once(self._tied_parameters, local_stages=self.stage_indices)
         self.activation_meter.reset_peak()
         try:
             with data_parallel_sync_deferred(self), _reentrant_checkpointing_named(self.module):
@@ -227,7 +242,6 @@ class PipelineModule(ModuleWrapper):
                 self.module.parameters(),
                 self._tied_parameters,
                 local_stages=self.stage_indices,
-                num_microbatches=self.plan.microbatch_count,
                 pp_group=self.pp_group,
                 device=self.device,
             )
@@ -324,12 +338,17 @@ class PipelineModule(ModuleWrapper):
                 )
                 for module in self._stage_modules
             ]
-            loss_fn = _loss_of_last_stage if has_labels else None
+            loss_fn = (
+                functools.partial(_loss_share_of_last_stage, num_microbatches=self.plan.microbatch_count)
+                if has_labels
+                else None
+            )
             self._schedules[key] = build_schedule(self.plan, stages, loss_fn)
         return self._schedules[key]
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The last stage's mean micro-batch loss on every pp rank, in the dtype it has there.
+        """The last stage's mean micro-batch loss (the sum of their shares) on every pp rank, in the
+        dtype it has there.
 
         Only the last stage knows the loss's dtype (a float64 or bf16 model's loss is one), so
         the loss travels as float64, which holds every floating dtype's value exactly, beside
@@ -338,7 +357,7 @@ class PipelineModule(ModuleWrapper):
         last_stage_rank = _stage_rank(self.plan, self.plan.num_stages - 1)
         message = torch.zeros(2, dtype=torch.float64, device=self.device)
         if losses:
-            loss = torch.stack([micro_loss.detach() for micro_loss in losses]).sum() / len(losses)
+            loss = torch.stack([micro_loss.detach() for micro_loss in losses]).sum()
             if loss.dtype not in _LOSS_DTYPES:
                 raise PipelineError(
                     f"the model's loss has dtype {loss.dtype}; a pipeline broadcasts losses of "

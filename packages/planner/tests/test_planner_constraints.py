@@ -23,6 +23,7 @@ EVERY_KEY = {
     "pipeline_parallel.split_points": ["model.layers.2"],
     "pipeline_parallel.schedule": "1f1b",
     "pipeline_parallel.num_microbatches": 4,
+    "pipeline_parallel.virtual_stages": 1,
     "memory_per_device_gb": 80.0,
     "devices_per_node": 8,
     "global_batch_size": 32,
@@ -76,6 +77,30 @@ def test_nested_dicts_read_as_dotted_keys_and_unset_keys_stay_with_the_planner()
         (
             {"pipeline_parallel.size": 1, "pipeline_parallel.schedule": "1f1b"},
             "pipeline_parallel.size=1 has no",
+        ),
+        (
+            {"pipeline_parallel.size": 1, "pipeline_parallel.virtual_stages": 2},
+            "drop the pipeline_parallel schedule/split/virtual_stages keys",
+        ),
+        (
+            {"pipeline_parallel.schedule": "1f1b", "pipeline_parallel.virtual_stages": 2},
+            "'1f1b' runs one stage per rank, but pipeline_parallel.virtual_stages=2",
+        ),
+        (
+            {"pipeline_parallel.schedule": "zbv", "pipeline_parallel.virtual_stages": 4},
+            "'zbv' places exactly 2 stages per rank in a V",
+        ),
+        (
+            {
+                "pipeline_parallel.size": 2,
+                "pipeline_parallel.schedule": "zbv",
+                "pipeline_parallel.split_points": ["a"],
+            },
+            "pipeline_parallel.size=2 x virtual_stages=2 stages are needed",
+        ),
+        (
+            {"pipeline_parallel.virtual_stages": 0},
+            "pipeline_parallel.virtual_stages=0 must be a positive integer",
         ),
         ({"sequence_parallel": True, "tensor_parallel.size": 1}, "tensor_parallel.size=1; raise"),
         (

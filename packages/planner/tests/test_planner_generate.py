@@ -247,3 +247,36 @@ def test_a_model_whose_output_a_pipeline_cannot_return_is_never_given_one(llama)
     with pytest.raises(ConstraintError, match="returns QuestionAnsweringModelOutput, which has no `loss`"):
         generate_plan(qa_model, {"pipeline_parallel.size": 2, "sequence_length": 8}, world_size=2)
     assert generate_plan(qa_model, {"sequence_length": 8}, world_size=2).mesh_size("pp") == 1
+
+
+@pytest.mark.parametrize("hardware", [None, "h100-80gb"], ids=["rules", "cost-model"])
+@pytest.mark.parametrize(
+    ("pipeline", "expected"),
+    [
+        ({"schedule": "zbv"}, ("zbv", 2)),
+        # Rules: interleaved 1F1B; the cost model picks the faster of the schedules with v = 2.
+        ({"virtual_stages": 2}, ("interleaved_1f1b", 2)),
+        ({"schedule": "zero_bubble", "virtual_stages": 2}, ("zero_bubble", 2)),
+        ({"schedule": "interleaved_1f1b", "virtual_stages": 4}, ("interleaved_1f1b", 4)),
+    ],
+    ids=["zbv", "virtual-stages", "zero-bubble-v2", "interleaved-v4"],
+)
+def test_pipeline_schedule_and_virtual_stages_constraints_reach_the_plan(hardware, pipeline, expected):
+    # A user forces ZBV or several stages per rank by constraint, as any other choice; the plan
+    # carries them to dpipe (rule-based and cost-model planning alike).
+    model = meta_llama(hidden_size=128, num_hidden_layers=8, num_attention_heads=8, vocab_size=128)
+    constraints = {
+        "pipeline_parallel.size": 2,
+        "global_batch_size": 8,
+        "micro_batch_size": 1,
+        "sequence_length": 16,
+        **{f"pipeline_parallel.{key}": value for key, value in pipeline.items()},
+    }
+    if hardware is not None:
+        constraints["hardware"] = hardware
+    plan = generate_plan(model, constraints, world_size=2)
+    schedule, virtual_stages = expected
+    if hardware is not None and "schedule" not in pipeline:
+        schedule = "zero_bubble"  # its predicted bubble, (pp - 1) / 3v, is the smallest at v = 2
+    assert (plan.pipeline.schedule, plan.pipeline.virtual_stages) == (schedule, virtual_stages)
+    assert plan.pipeline.num_stages == 2 * expected[1]

@@ -81,14 +81,9 @@ def step_on_rank(
 ) -> tuple[float, dict, torch.Tensor]:
     vescale.manual_seed(0)
     model = vescale.deferred_init(BUILDERS[arch], dropout, hf_checkpointing)
-    pipeline_edits = constraints.pop("pipeline_edits", {})
     plan = vescale.generate_plan(
         model, {"global_batch_size": GLOBAL_BATCH, "sequence_length": SEQUENCE, **constraints}
     )
-    if pipeline_edits:  # what a user edits in the plan's JSON (virtual stages are not a constraint)
-        plan_dict = plan.to_dict()
-        plan_dict["pipeline_parallel"].update(pipeline_edits)
-        plan = vescale.Plan.from_dict(plan_dict)
     model, optimizer, _, _ = vescale.parallelize(
         plan, model, lambda module: torch.optim.SGD(module.parameters(), lr=SGD_LR)
     )
@@ -148,11 +143,9 @@ def test_gpt2_default_dropout_matches_single_device(constraints, world_size):
 def test_gpt2_default_dropout_matches_single_device_under_zbv():
     """Two stages per rank, the last rank running the second half's first stage and the first
     rank its last (ZBV's V shape), weight gradients apart from input gradients: each stage starts
-    from one device's state where its layers begin, whichever rank holds it. Virtual stages are
-    not a constraint: the generated plan is edited, as a user edits its JSON."""
-    edits = {"schedule": "zbv", "virtual_stages": 2}
+    from one device's state where its layers begin, whichever rank holds it."""
     _assert_default_dropout_matches_single_device(
-        "gpt2-4-blocks", {"pipeline_parallel.size": 2, "pipeline_edits": edits}, 2
+        "gpt2-4-blocks", {"pipeline_parallel.size": 2, "pipeline_parallel.schedule": "zbv"}, 2
     )
 
 

@@ -21,7 +21,9 @@ key                                       meaning
 ``tensor_parallel.sharding_policy``       ``"megatron"``
 ``pipeline_parallel.split_method``        ``"uniform"``, ``"params"``, ``"flops"`` or ``"manual"``
 ``pipeline_parallel.split_points``        module FQNs that start a stage (with ``"manual"``)
-``pipeline_parallel.schedule``            ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``
+``pipeline_parallel.schedule``            ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``,
+                                          ``"zbv"`` (two stages per rank in a V; chosen only when set)
+``pipeline_parallel.virtual_stages``      stages per rank (``interleaved_1f1b``, ``zero_bubble``; ``zbv``: 2)
 ``pipeline_parallel.num_microbatches``    micro-batches per pipeline step
 ``memory_per_device_gb``                  memory a device may use (default: the device's)
 ``devices_per_node``                      devices per node (tensor parallel stays inside one)
@@ -57,7 +59,7 @@ __all__ = ["CONSTRAINT_KEYS", "Constraints"]
 _CHOICES = {
     "tensor_parallel.sharding_policy": ("megatron",),
     "pipeline_parallel.split_method": ("uniform", "params", "flops", "manual"),
-    "pipeline_parallel.schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
+    "pipeline_parallel.schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"),
     "mixed_precision": ("fp32", "bf16"),
     "activation_checkpointing": ("none", "full", "selective"),
 }
@@ -67,6 +69,7 @@ _POSITIVE_INTS = (
     "pipeline_parallel.size",
     "expert_parallel.size",
     "pipeline_parallel.num_microbatches",
+    "pipeline_parallel.virtual_stages",
     "devices_per_node",
     "global_batch_size",
     "micro_batch_size",
@@ -91,6 +94,7 @@ class Constraints:
     pipeline_parallel_split_points: tuple[str, ...] | None = None
     pipeline_parallel_schedule: str | None = None
     pipeline_parallel_num_microbatches: int | None = None
+    pipeline_parallel_virtual_stages: int | None = None
     memory_per_device_gb: float | None = None
     devices_per_node: int | None = None
     global_batch_size: int | None = None
@@ -169,6 +173,20 @@ class Constraints:
                 f"choose sizes whose product divides {world_size}"
             )
 
+    def _check_virtual_stages(self) -> None:
+        schedule, virtual = self.pipeline_parallel_schedule, self.pipeline_parallel_virtual_stages
+        if schedule in ("gpipe", "1f1b") and virtual not in (None, 1):
+            raise ConstraintError(
+                f"pipeline_parallel.schedule={schedule!r} runs one stage per rank, but "
+                f"pipeline_parallel.virtual_stages={virtual}; use 'interleaved_1f1b', 'zero_bubble' or "
+                "'zbv' for several stages per rank, or drop virtual_stages"
+            )
+        if schedule == "zbv" and virtual not in (None, 2):
+            raise ConstraintError(
+                f"pipeline_parallel.schedule='zbv' places exactly 2 stages per rank in a V, but "
+                f"pipeline_parallel.virtual_stages={virtual}; set virtual_stages to 2 or drop it"
+            )
+
     def _check_combinations(self) -> None:
         method, points = self.pipeline_parallel_split_method, self.pipeline_parallel_split_points
         if method == "manual" and not points:
@@ -181,14 +199,19 @@ class Constraints:
                 f"pipeline_parallel.split_points are given with split_method={method!r}; "
                 "drop the split points or set pipeline_parallel.split_method='manual'"
             )
+        self._check_virtual_stages()
+        virtual = self.pipeline_parallel_virtual_stages or (
+            2 if self.pipeline_parallel_schedule == "zbv" else 1
+        )
         if (
             points
             and self.pipeline_parallel_size is not None
-            and len(points) + 1 != self.pipeline_parallel_size
+            and len(points) + 1 != self.pipeline_parallel_size * virtual
         ):
             raise ConstraintError(
                 f"{len(points)} pipeline_parallel.split_points make {len(points) + 1} stages, but "
-                f"pipeline_parallel.size={self.pipeline_parallel_size}; give size - 1 split points"
+                f"pipeline_parallel.size={self.pipeline_parallel_size} x virtual_stages={virtual} stages "
+                "are needed; give size x virtual_stages - 1 split points"
             )
         if (
             self.zero_stage == 3
@@ -200,10 +223,12 @@ class Constraints:
                 "pipeline is not supported; use zero.stage 1 or 2 (each shards the optimizer state over "
                 "dp) or pipeline_parallel.size=1"
             )
-        if self.pipeline_parallel_size == 1 and (self.pipeline_parallel_schedule or points):
+        if self.pipeline_parallel_size == 1 and (
+            self.pipeline_parallel_schedule or points or self.pipeline_parallel_virtual_stages
+        ):
             raise ConstraintError(
                 "pipeline_parallel.size=1 has no stages to schedule or split; drop the pipeline_parallel "
-                "schedule/split keys or raise pipeline_parallel.size"
+                "schedule/split/virtual_stages keys or raise pipeline_parallel.size"
             )
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise ConstraintError(

@@ -396,8 +396,9 @@ def predict_step(
 def _bubble_slots(schedule: str, pp: int, virtual_stages: int) -> float:
     if pp == 1:
         return 0.0
-    if schedule == "zero_bubble":
-        return (pp - 1) / 3.0
+    if schedule in ("zero_bubble", "zbv"):
+        # A third of 1F1B's ramp, in slots of one stage's work: v stages per rank shorten each.
+        return (pp - 1) / (3.0 * virtual_stages)
     if schedule == "interleaved_1f1b":
         return (pp - 1) / virtual_stages
     return float(pp - 1)

@@ -150,7 +150,20 @@ def generate_plan(
         choices, estimate = _rule_based_choice(
             model, constraints, world_size, per_node, budget, sequence_length, auto, profiles, in_place
         )
-        return assemble_plan(model, auto, constraints, choices, estimate, budget, reasons, per_node)
+        virtual_stages = constraints.pipeline_parallel_virtual_stages or (
+            2 if choices.schedule == "zbv" else 1
+        )
+        return assemble_plan(
+            model,
+            auto,
+            constraints,
+            choices,
+            estimate,
+            budget,
+            reasons,
+            per_node,
+            virtual_stages=virtual_stages if choices.pipeline_parallel_size > 1 else 1,
+        )
     try:
         rule_choice = _rule_based_choice(
             model,
@@ -261,7 +274,9 @@ def _rule_based_choice(
             continue
         global_batch, micro = split
         num_microbatches = global_batch // (dp * ep * micro)
-        schedule = constraints.pipeline_parallel_schedule or ("1f1b" if num_microbatches >= pp else "gpipe")
+        schedule = constraints.pipeline_parallel_schedule or _rule_based_schedule(
+            num_microbatches, pp, constraints.pipeline_parallel_virtual_stages
+        )
         choices = dataclasses.replace(
             layout, micro_batch_size=micro, num_microbatches=num_microbatches, schedule=schedule
         )
@@ -286,6 +301,14 @@ def _rule_based_choice(
         f"ep={choices.expert_parallel_size}, ZeRO-{choices.zero_stage}, activation_checkpointing="
         f"{choices.activation_checkpointing!r}); use more devices, bf16, a smaller micro-batch or sequence"
     )
+
+
+def _rule_based_schedule(num_microbatches: int, pp: int, virtual_stages: int | None) -> str:
+    """Megatron's rule: 1F1B where every stage can hold a micro-batch in flight, else GPipe; with
+    several stages per rank (``pipeline_parallel.virtual_stages``), interleaved 1F1B."""
+    if virtual_stages is not None and virtual_stages > 1:
+        return "interleaved_1f1b"
+    return "1f1b" if num_microbatches >= pp else "gpipe"
 
 
 def expert_parallel_sizes(model: nn.Module, constraints: Constraints, world_size: int) -> list[int]:

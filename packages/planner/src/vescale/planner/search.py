@@ -105,20 +105,27 @@ def _micro_batches(constraints: Constraints, dp: int, pp: int) -> list[tuple[int
 
 
 def _schedules(constraints: Constraints, pp: int, microbatches: int, blocks: int) -> list[tuple[str, int]]:
+    """The (schedule, virtual stages) pairs to cost. ZBV is costed only where the constraints name it."""
     if pp == 1:
         return [("1f1b", 1)]
     names = _axis(
         constraints.pipeline_parallel_schedule, ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
     )
+    wanted = constraints.pipeline_parallel_virtual_stages
     options = []
     for name in names:
         if name == "interleaved_1f1b":
-            options += [(name, v) for v in (2, 4) if blocks % (pp * v) == 0 and microbatches % pp == 0]
+            virtuals = [wanted] if wanted is not None else [2, 4]
+            options += [(name, v) for v in virtuals if blocks % (pp * v) == 0 and microbatches % pp == 0]
+        elif name == "zbv":
+            options += [(name, 2)] if blocks % (pp * 2) == 0 else []
         elif name == "1f1b" and microbatches < pp and constraints.pipeline_parallel_schedule is None:
             continue
+        elif name == "zero_bubble" and wanted is not None:
+            options += [(name, wanted)] if blocks % (pp * wanted) == 0 else []
         else:
             options.append((name, 1))
-    return options
+    return [(name, v) for name, v in options if wanted is None or v == wanted]
 
 
 def _in_flight(choices: ParallelChoices) -> int:

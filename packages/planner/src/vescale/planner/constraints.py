@@ -173,6 +173,11 @@ class Constraints:
                 f"choose sizes whose product divides {world_size}"
             )
 
+    @property
+    def stages_per_pipeline_rank(self) -> int:
+        """``pipeline_parallel.virtual_stages``, else what the schedule implies (2 for ZBV, else 1)."""
+        return self.pipeline_parallel_virtual_stages or (2 if self.pipeline_parallel_schedule == "zbv" else 1)
+
     def _check_virtual_stages(self) -> None:
         schedule, virtual = self.pipeline_parallel_schedule, self.pipeline_parallel_virtual_stages
         if schedule in ("gpipe", "1f1b") and virtual not in (None, 1):
@@ -200,9 +205,7 @@ class Constraints:
                 "drop the split points or set pipeline_parallel.split_method='manual'"
             )
         self._check_virtual_stages()
-        virtual = self.pipeline_parallel_virtual_stages or (
-            2 if self.pipeline_parallel_schedule == "zbv" else 1
-        )
+        virtual = self.stages_per_pipeline_rank
         if (
             points
             and self.pipeline_parallel_size is not None

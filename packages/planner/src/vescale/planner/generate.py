@@ -150,9 +150,7 @@ def generate_plan(
         choices, estimate = _rule_based_choice(
             model, constraints, world_size, per_node, budget, sequence_length, auto, profiles, in_place
         )
-        virtual_stages = constraints.pipeline_parallel_virtual_stages or (
-            2 if choices.schedule == "zbv" else 1
-        )
+        virtual_stages = constraints.stages_per_pipeline_rank  # the rules never choose ZBV themselves
         return assemble_plan(
             model,
             auto,

@@ -86,6 +86,18 @@ def test_pipeline_stage_metadata_inference_hook_exists_where_torch_builds_tensor
         assert stage_class is not PipelineStage and "_to_tensor" in stage_class.__dict__
 
 
+def test_pipeline_stage_hands_over_no_gradient_in_a_forward_only_call():
+    # A V-schedule's runtime passes a stage's input gradient to the stage before it on the same rank
+    # through these two methods, in eval() too; the repair makes them no-ops without a backward.
+    # Where torch renames them, this fails (and test_dpipe_loss_weights.py's ZBV eval with it).
+    from torch.distributed.pipelining import PipelineStage
+
+    stage_class = _compat.pipeline_stage_class()
+    for method in ("get_local_bwd_output", "set_local_bwd_input"):
+        assert callable(getattr(PipelineStage, method, None)), f"PipelineStage.{method} is gone"
+        assert method in stage_class.__dict__
+
+
 def test_bookkeeping_wrappers_are_restored_when_passes_overlap():
     # Two fake passes (threads, or one nested in another) share the class attributes: the last
     # one out, whichever it is, puts PyTorch's methods back.

@@ -162,16 +162,22 @@ def dtensor_bookkeeping_outside_fake_mode() -> Iterator[None]:
 
 @functools.cache
 def pipeline_stage_class() -> type:
-    """``PipelineStage``, whose first-step metadata inference runs on zeros instead of uninitialised memory.
+    """``PipelineStage``, with two repairs of PyTorch's own.
 
-    From torch 2.13 a stage after the first runs its forward (and backward) once on tensors
-    built from the received metadata with ``torch.empty`` (``_PipelineStageBase._to_tensor``)
-    to learn its output shapes. Each rank's garbage differs; where the stage routes tokens by
-    value (a mixture-of-experts layer's per-expert counts, read with ``tolist()``) the ranks of
-    a tensor-parallel stage then split differently and enter their collectives with different
-    sizes: gloo hangs or aborts (JetMoE under pp2 x tp2). Zeros are the same on every rank.
-    Earlier releases infer shapes on meta tensors and have no ``_to_tensor``: the class is
-    PyTorch's own there.
+    * **Metadata inference on zeros.** From torch 2.13 a stage after the first runs its forward
+      (and backward) once on tensors built from the received metadata with ``torch.empty``
+      (``_PipelineStageBase._to_tensor``) to learn its output shapes. Each rank's garbage
+      differs; where the stage routes tokens by value (a mixture-of-experts layer's per-expert
+      counts, read with ``tolist()``) the ranks of a tensor-parallel stage then split
+      differently and enter their collectives with different sizes: gloo hangs or aborts
+      (JetMoE under pp2 x tp2). Zeros are the same on every rank. Earlier releases infer
+      shapes on meta tensors and have no ``_to_tensor``.
+    * **Forward-only calls of a V-schedule.** ``schedule.eval()`` runs the schedule's actions
+      with ``has_backward`` off, the backward ones included (each returns at once), but where
+      two adjacent stages share a rank (ZBV) it still hands the later stage's input gradient
+      to the earlier one (``get_local_bwd_output``), which asserts that the stage has a
+      backward: every ``torch.no_grad()`` call of a ZBV pipeline failed. Without a backward
+      there is no gradient to hand over.
 
     Example::
 
@@ -181,13 +187,11 @@ def pipeline_stage_class() -> type:
     from torch.distributed.tensor import DTensor
 
     original = getattr(PipelineStage, "_to_tensor", None)
-    if original is None:
-        if torch_version() >= (2, 13):
-            raise _missing("torch.distributed.pipelining.PipelineStage._to_tensor")
-        return PipelineStage
+    if original is None and torch_version() >= (2, 13):
+        raise _missing("torch.distributed.pipelining.PipelineStage._to_tensor")
     to_tensor: Any = original  # a closure mypy does not narrow
 
-    class ZeroFilledInferenceStage(PipelineStage):
+    class RepairedPipelineStage(PipelineStage):
         def _to_tensor(self, arg: Any) -> torch.Tensor:
             tensor: torch.Tensor = to_tensor(self, arg)
             if not isinstance(arg, torch.Tensor):  # metadata, made into an uninitialised tensor
@@ -196,4 +200,19 @@ def pipeline_stage_class() -> type:
                     local.zero_()
             return tensor
 
-    return ZeroFilledInferenceStage
+        def get_local_bwd_output(self, mb_index: int) -> Any:
+            if not self.has_backward:  # a forward-only call: no backward ran, no gradient to pass
+                return ()
+            return super().get_local_bwd_output(mb_index)  # type: ignore[no-untyped-call]
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+            if not self.has_backward:
+                return
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    if original is None:  # before torch 2.13: shapes are inferred on meta tensors
+        del RepairedPipelineStage._to_tensor
+    for method in ("get_local_bwd_output", "set_local_bwd_input"):
+        if not callable(getattr(PipelineStage, method, None)):  # no V-schedule hand-over to repair
+            delattr(RepairedPipelineStage, method)
+    return RepairedPipelineStage

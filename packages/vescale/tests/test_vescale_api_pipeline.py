@@ -99,26 +99,12 @@ def assert_trains_like_single_device(runs: list[dict], reference: ReferenceRun, 
     print(f"{label}: max relative loss error {errors[0]:.2e}, first-step gradient {errors[1]:.2e}")
 
 
-def pipeline_runs() -> tuple[dict, str]:
-    run = rfc_script_runs("gpt2", PIPELINE_CONSTRAINTS, STEPS)
-    config = tiny_hf_config("gpt2")
-    vescale.manual_seed(0)
-    model = vescale.deferred_init(transformers.AutoModelForCausalLM.from_config, config)
-    model, _, _, _ = vescale.parallelize(vescale.generate_plan(model, PIPELINE_CONSTRAINTS), model)
-    padded = token_batches(config.vocab_size, 1, GLOBAL_BATCH, SEQ_LEN)[0]
-    padded["labels"][0, 4:] = -100  # the first micro-batch holds fewer loss terms than the second
-    with pytest.raises(UnsupportedPlanError) as error:
-        model(**padded)
-    return run, str(error.value)
-
-
-def test_pipeline_plan_matches_single_device_and_refuses_unequal_token_counts():
-    results = run_on_ranks(pipeline_runs, world_size=2, timeout_s=400)
-    assert_trains_like_single_device([run for run, _ in results], reference_run("gpt2", STEPS), "pp2")
-    for _, padded_message in results:
-        assert (
-            "labels padded with -100 give the pipeline's micro-batches 10 to 14 loss terms" in padded_message
-        )
+def test_pipeline_plan_matches_single_device():
+    # Labels padded with -100 under a pipeline: test_vescale_api_training.py's pipeline plans.
+    runs = run_on_ranks(
+        rfc_script_runs, world_size=2, args=("gpt2", PIPELINE_CONSTRAINTS, STEPS), timeout_s=400
+    )
+    assert_trains_like_single_device(runs, reference_run("gpt2", STEPS), "pp2")
 
 
 PP_TP_STEPS = 20
@@ -132,9 +118,7 @@ PP_TP_CONSTRAINTS = {
 
 def test_pp2_tp2_plan_matches_single_device_for_llama_gpt2_and_mixtral():
     # Same bounds and reasoning as above: tp partial sums and micro-batch accumulation reorder
-    # float32 sums (~1e-7 relative per step), well inside the 1e-4. Labels are never
-    # padded: dpipe averages its micro-batch losses unweighted, so padded labels are refused
-    # under a pipeline (the test above), not weighted.
+    # float32 sums (~1e-7 relative per step), well inside the 1e-4.
     for model_name in ["llama", "gpt2", "mixtral"]:
         runs = run_on_ranks(
             rfc_script_runs, world_size=4, args=(model_name, PP_TP_CONSTRAINTS, PP_TP_STEPS), timeout_s=600

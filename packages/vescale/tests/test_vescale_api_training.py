@@ -83,6 +83,20 @@ ZERO3_PLANS = {
         "micro_batch_size": GLOBAL_BATCH // 2,
     },
 }
+# Pipelines weight each micro-batch's loss by its loss terms (dpipe's
+# set_microbatch_loss_weights); the padding gives their micro-batches of 2 rows unequal counts.
+PIPELINE_PLANS = {
+    "pp2xdp2": {
+        "pipeline_parallel.size": 2,
+        "data_parallel.size": 2,
+        "pipeline_parallel.num_microbatches": 2,
+    },
+    "pp2xtp2": {
+        "pipeline_parallel.size": 2,
+        "tensor_parallel.size": 2,
+        "pipeline_parallel.num_microbatches": 4,
+    },
+}
 
 
 def build_dataset(vocab_size: int) -> list[dict[str, torch.Tensor]]:
@@ -118,7 +132,8 @@ def reference_run(model_name: str, loss_fn=model_loss) -> ReferenceRun:
 
 
 def unweighted_slices_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The plain mean of 4 equal slices' mean losses: what dp4 without token weighting computes."""
+    """The plain mean of 4 equal slices' mean losses: what dp4 without token weighting computes, and
+    the pipeline plans without it (4 micro-batches of 2 rows, over dp or not)."""
     rows = GLOBAL_BATCH // WORLD_SIZE
     slices = [
         {key: value[i : i + rows] for key, value in batch.items()} for i in range(0, GLOBAL_BATCH, rows)
@@ -130,7 +145,10 @@ def rfc_script(model_name: str, plan_name: str, make_optimizer, steps: int) -> t
     """The RFC's script with ``plan_name`` for ``steps`` steps: losses, mesh, full parameters before/after."""
     vescale.manual_seed(0)
     model = vescale.deferred_init(build_model, model_name)
-    constraints = {"global_batch_size": GLOBAL_BATCH, **{**CONSTRAINED_PLANS, **ZERO3_PLANS}[plan_name]}
+    constraints = {
+        "global_batch_size": GLOBAL_BATCH,
+        **{**CONSTRAINED_PLANS, **ZERO3_PLANS, **PIPELINE_PLANS}[plan_name],
+    }
     plan = vescale.generate_plan(model, constraints)
     dataset = build_dataset(model.config.vocab_size)[: steps * GLOBAL_BATCH]
     model, optimizer, _, data_loader = vescale.parallelize(plan, model, make_optimizer, None, dataset)
@@ -220,3 +238,30 @@ def test_fused_qkv_bias_under_zero3_and_tensor_parallelism_matches_single_device
         run = per_plan[plan_name]
         assert run["mesh"]["dp"] == 2 and run["mesh"]["tp"] == 2
         assert_run_matches(reference, run, f"gpt2 {plan_name} {run['mesh']} rank {rank}", rank)
+
+
+@pytest.mark.parametrize("model_name", ["llama", "gpt2"])
+def test_pipeline_plans_weight_padded_micro_batches_like_single_device(model_name: str):
+    """Padded labels under a pipeline: each micro-batch's loss weighted by its share of the global
+    batch's loss terms. The mean of the micro-batch means (what dpipe computed before it weighted
+    them, and refused padded labels for) is measured here to miss the loss bound by over 10x."""
+    reference = reference_run(model_name)
+    unweighted = reference_run(model_name, unweighted_slices_loss)
+    assert max_relative_error(unweighted.losses, reference.losses) > 10 * LOSS_RTOL
+    plan_names = list(PIPELINE_PLANS)
+    results = run_on_ranks(
+        rfc_script_runs, world_size=WORLD_SIZE, args=(model_name, plan_names), timeout_s=600
+    )
+    for plan_name in plan_names:
+        runs = [per_plan[plan_name] for per_plan in results]
+        assert runs[0]["mesh"]["pp"] == 2, runs[0]["mesh"]
+        # Each pp rank holds its stages' gradients: the ranks' gradients together are the model's.
+        loss_error, gradient_error = assert_matches_reference(
+            reference,
+            [run["losses"] for run in runs],
+            [run["gradients"] for run in runs],
+            loss_rtol=LOSS_RTOL,
+            grad_rtol=GRAD_RTOL,
+            label=f"{model_name} {plan_name} {runs[0]['mesh']}",
+        )
+        print(f"{model_name} {plan_name}: loss {loss_error:.2e}, gradient {gradient_error:.2e}")

@@ -4,7 +4,8 @@ The user's loop stays ``out = model(**batch); out.loss.backward(); optimizer.ste
 call cuts the batch into micro-batches, runs the forward and backward passes of every
 micro-batch on every stage, sums tied parameters' gradients across the stages that hold
 them and returns the model's own output type. ``out.loss`` is the mean of the micro-batch
-losses on every rank and its ``backward()`` does nothing (the schedule already ran it).
+losses on every rank (or their weighted sum, :meth:`PipelineModule.set_microbatch_loss_weights`)
+and its ``backward()`` does nothing (the schedule already ran it).
 Under ``torch.no_grad()`` or ``model.eval()`` the call runs forward only. A ``transformers``
 MoE model's load-balancing loss is that of all its layers, as without a pipeline: the
 routers' statistics travel from stage to stage (:mod:`vescale.dmodule.experts.router_statistics`).
@@ -19,8 +20,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -98,16 +98,11 @@ def _check_output_type(model: nn.Module, output_type: type) -> None:
         )
 
 
-def _loss_share_of_last_stage(
-    output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor, *, num_microbatches: int
-) -> torch.Tensor:
-    """A micro-batch's share of the batch's mean loss, which its backward starts from.
-
-    The last stage returns (loss, logits): the model computed its own loss from the labels. Scaled
-    here, each backward adds this call's share to the gradients and nothing divides them after
-    the schedule: gradients a loop accumulated over earlier calls stay as they were.
-    """
-    return output[0] / num_microbatches
+def _micro_batch_indices(batch_size: int, num_microbatches: int) -> torch.Tensor:
+    """The schedule's ``target``: each row holds the index of the micro-batch it falls in, so that the
+    loss function, which the schedule calls with a micro-batch's piece of it, knows which one it is."""
+    rows = batch_size // num_microbatches
+    return torch.arange(num_microbatches).repeat_interleave(rows).reshape(batch_size, 1)
 
 
 class ModuleWrapper(nn.Module):
@@ -202,6 +197,8 @@ class PipelineModule(ModuleWrapper):
         self._schedules: dict[tuple[Any, ...], Any] = {}
         # Where this rank's batch lies in the global batch (set_global_batch): its own by default.
         self._global_batch: tuple[int, int] | None = None
+        # The next call's micro-batch loss weights (set_microbatch_loss_weights): 1 / m each if None.
+        self._loss_weights: tuple[float, ...] | None = None
         self.replays_random_numbers = bool(self._generator_carries)
         self._anchor = torch.zeros((), requires_grad=True)
 
@@ -222,7 +219,7 @@ class PipelineModule(ModuleWrapper):
             batch_size, fresh_schedule=len(self._schedules) > schedules_before
         )
         losses: list[torch.Tensor] = []
-        target = torch.zeros(batch_size, 1) if has_labels else None
+        target = _micro_batch_indices(batch_size, self.plan.microbatch_count) if has_labels else None
         for module in self._stage_modules:
             module.logits.clear()
         run = schedule.step if training else schedule.eval
@@ -233,6 +230,7 @@ class PipelineModule(ModuleWrapper):
             with data_parallel_sync_deferred(self), _reentrant_checkpointing_named(self.module):
                 run(**batch, target=target, losses=losses if has_labels else None, return_outputs=False)
         finally:
+            self._loss_weights = None
             for carry in self._generator_carries.values():
                 carry.end_step()
         if replaying:
@@ -265,6 +263,45 @@ class PipelineModule(ModuleWrapper):
             pipe.set_global_batch(first_row=4, total_rows=8)   # dp rank 1 of 2, 4 rows each
         """
         self._global_batch = (first_row, total_rows)
+
+    def set_microbatch_loss_weights(self, weights: Sequence[float]) -> None:
+        """The next call weights micro-batch ``i``'s loss by ``weights[i]`` instead of ``1 / m``.
+
+        Its backward starts from the weighted loss and the call returns their weighted sum.
+        A model's loss is a mean over its micro-batch's loss terms (tokens whose label is not
+        ``-100``); where micro-batches hold unequal numbers of terms, the mean of their means
+        is not one device's mean over the batch, but ``weights[i] = terms_i / terms`` gives it.
+        The weights apply to the next call only.
+
+        Example::
+
+            pipe.set_microbatch_loss_weights([10 / 24, 14 / 24])   # terms of 2 micro-batches
+            out = pipe(input_ids=ids, labels=labels)               # out.loss: the 24 terms' mean
+        """
+        weights = tuple(float(weight) for weight in weights)
+        if len(weights) != self.plan.microbatch_count:
+            raise MicrobatchError(
+                f"{len(weights)} micro-batch loss weights were given for a pipeline of "
+                f"num_microbatches={self.plan.microbatch_count}; give one weight per micro-batch"
+            )
+        if self.pp_rank == _stage_rank(self.plan, self.plan.num_stages - 1):
+            # Only the last stage computes losses; the others' weights are never read.
+            self._loss_weights = weights
+        else:
+            self._loss_weights = None
+
+    def _micro_batch_loss(
+        self, output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor
+    ) -> torch.Tensor:
+        """A micro-batch's weighted loss, which its backward starts from (the schedule's loss function).
+
+        The last stage returns (loss, logits): the model computed its own loss from the labels.
+        Weighted here, each backward adds this call's share to the gradients and nothing divides
+        them after the schedule: gradients a loop accumulated over earlier calls stay as they were.
+        """
+        if self._loss_weights is None:
+            return output[0] / self.plan.microbatch_count
+        return output[0] * self._loss_weights[int(target[0, 0])]
 
     def _begin_random_replay(self, batch_size: int, *, fresh_schedule: bool) -> bool:
         """Start each local stage's generator carry for this call; whether it replays."""
@@ -338,17 +375,13 @@ class PipelineModule(ModuleWrapper):
                 )
                 for module in self._stage_modules
             ]
-            loss_fn = (
-                functools.partial(_loss_share_of_last_stage, num_microbatches=self.plan.microbatch_count)
-                if has_labels
-                else None
-            )
+            loss_fn = self._micro_batch_loss if has_labels else None
             self._schedules[key] = build_schedule(self.plan, stages, loss_fn)
         return self._schedules[key]
 
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The last stage's mean micro-batch loss (the sum of their shares) on every pp rank, in the
-        dtype it has there.
+        """The last stage's mean micro-batch loss (the sum of their weighted losses) on every pp rank,
+        in the dtype it has there.
 
         Only the last stage knows the loss's dtype (a float64 or bf16 model's loss is one), so
         the loss travels as float64, which holds every floating dtype's value exactly, beside

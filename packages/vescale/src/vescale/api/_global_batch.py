@@ -12,8 +12,8 @@ the loss of the whole global batch on every rank, as one device would print it:
   cleared after each) and the returned loss's ``backward()`` is a no-op; a call under
   ``torch.no_grad()`` runs their forwards; a call in eval mode with gradients is one forward
   of the rank's batch, whose backward is the caller's, as on one device;
-* a pipeline (dpipe) runs its own micro-batches and averages their losses unweighted, so there
-  unequal term counts are an error rather than a silent difference.
+* a pipeline (dpipe) runs its own micro-batches, each loss weighted as above
+  (:meth:`~vescale.dpipe.PipelineModule.set_microbatch_loss_weights`).
 
 Example::
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
@@ -341,19 +342,17 @@ class ParallelizedModel(ModuleWrapper):
         return _concatenated(outputs, global_loss)
 
     def _pipelined_forward(self, batch: dict[str, Any], counts: list[tuple[int, bool]]) -> Any:
-        # dpipe averages its micro-batch losses unweighted: equal to one device only for equal term
-        # counts in every micro-batch of every dp rank (the all-reduced max of count and -count).
+        # dpipe weights each micro-batch's loss by its share of the global batch's loss terms (times
+        # dp, which the dp gradient average divides again): one all-reduce before the schedule.
         terms = [count for count, _ in counts]
-        local = torch.tensor([max(terms), -min(terms)], dtype=torch.float64)
-        self._all_reduce(local, op=dist.ReduceOp.MAX)
-        if local[0] != -local[1]:
-            raise UnsupportedPlanError(
-                f"labels padded with -100 give the pipeline's micro-batches {int(-local[1])} to "
-                f"{int(local[0])} loss terms: dpipe averages micro-batch losses unweighted, so the gradients "
-                "would differ from one device; pad every micro-batch alike or use a plan without "
-                "pipeline_parallel"
-            )
+        local = torch.tensor([float(sum(terms)), float(any(unweighted for _, unweighted in counts))])
+        total_terms, unweighted = self._all_reduce(local.to(torch.float64)).tolist()
+        self._check_weighable(unweighted, pieces=len(counts))
         pipeline = cast("PipelineModule", self.module)
+        # All labels -100: one device's mean over no terms is NaN, and so is every weight here.
+        pipeline.set_microbatch_loss_weights(
+            [count * self._dp_size / total_terms if total_terms else math.nan for count in terms]
+        )
         rows = batch_rows(batch)
         pipeline.set_global_batch(self._randomness.batch_rank * rows, rows * self._dp_size)
         # Each stage replays one device's draws on CPU (vescale.dpipe.random_carry), not compiled.

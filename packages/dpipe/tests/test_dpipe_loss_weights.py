@@ -63,7 +63,11 @@ def weighted_pipeline_step(schedule: str) -> dict:
     with torch.no_grad():
         pipe.set_microbatch_loss_weights(weights)
         weighted = pipe(**batch).loss.item()
-        unweighted = pipe(**batch).loss.item()  # the weights were for one call only
+        # The weights are for one call only, one that raises included.
+        pipe.set_microbatch_loss_weights(weights)
+        with pytest.raises(MicrobatchError, match="cannot be cut into 4 equal micro-batches"):
+            pipe(**{name: value[:-1] for name, value in batch.items()})
+        unweighted = pipe(**batch).loss.item()
     before = full_parameters(model)
     pipe.set_microbatch_loss_weights(weights)
     loss = pipe(**batch).loss

@@ -197,12 +197,16 @@ class PipelineModule(ModuleWrapper):
         self._schedules: dict[tuple[Any, ...], Any] = {}
         # Where this rank's batch lies in the global batch (set_global_batch): its own by default.
         self._global_batch: tuple[int, int] | None = None
-        # The next call's micro-batch loss weights (set_microbatch_loss_weights): 1 / m each if None.
+        # The next call's micro-batch loss weights (set_microbatch_loss_weights), and the running
+        # call's, which the schedule's loss function reads: 1 / m each where None.
+        self._next_loss_weights: tuple[float, ...] | None = None
         self._loss_weights: tuple[float, ...] | None = None
         self.replays_random_numbers = bool(self._generator_carries)
         self._anchor = torch.zeros((), requires_grad=True)
 
     def forward(self, **batch: Any) -> Any:
+        # The weights set for this call are for it alone, whether it runs or raises.
+        self._loss_weights, self._next_loss_weights = self._next_loss_weights, None
         batch = self._without_fixed_arguments(batch)
         batch_size = _batch_size(batch)
         if batch_size % self.plan.microbatch_count:
@@ -284,11 +288,9 @@ class PipelineModule(ModuleWrapper):
                 f"{len(weights)} micro-batch loss weights were given for a pipeline of "
                 f"num_microbatches={self.plan.microbatch_count}; give one weight per micro-batch"
             )
-        if self.pp_rank == _stage_rank(self.plan, self.plan.num_stages - 1):
-            # Only the last stage computes losses; the others' weights are never read.
-            self._loss_weights = weights
-        else:
-            self._loss_weights = None
+        # Only the last stage computes losses; the others' weights would never be read.
+        last_stage_here = self.pp_rank == _stage_rank(self.plan, self.plan.num_stages - 1)
+        self._next_loss_weights = weights if last_stage_here else None
 
     def _micro_batch_loss(
         self, output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor

@@ -3,9 +3,14 @@
 A model's loss is the mean over the loss terms of its own input. When the global batch is cut
 into dp slices and micro-batches, the mean of the pieces' means is the global mean only when
 every piece holds as many terms; labels padded with ``-100`` break that. Each piece's loss is
-therefore weighted by its term count over the global count (what ``vescale.parallelize`` does
-without a pipeline), or, where the pieces cannot be weighted (dpipe's schedule averages the
-micro-batch losses itself), unequal counts are an error.
+therefore weighted by its term count over the global count (what ``vescale.parallelize`` does,
+with a pipeline too); where the terms cannot be counted, padded labels are an error.
+
+What a model's loss counts is read from the loss function ``transformers`` names for it, and
+only where its ``forward`` computes the loss with that function: 15 of ``transformers``'
+causal LMs (``BartForCausalLM``, ``XLNetLMHeadModel``, ...) compute their own unshifted
+cross-entropy although their ``loss_function`` names the shifted ``ForCausalLMLoss``; counted
+by the name, their padded batches were weighted wrongly (1e-4 to 2e-3 of the loss, silently).
 
 Example::
 
@@ -15,6 +20,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -63,9 +70,26 @@ _TOKEN_LOSSES = {
 }
 
 
+@functools.cache
+def _forward_calls_loss_function(model_class: type) -> bool:
+    """Whether ``model_class.forward`` computes its loss with ``self.loss_function`` (its source says so).
+
+    A forward whose source cannot be read counts as one that does not: its padded batches are
+    refused, never weighted by a guess.
+    """
+    try:
+        source = inspect.getsource(model_class.forward)
+    except (OSError, TypeError):
+        return False
+    return "self.loss_function(" in source
+
+
 def _token_rule(model: nn.Module) -> LossTermRule | None:
     loss_function = getattr(model, "loss_function", None)
-    return _TOKEN_LOSSES.get(getattr(loss_function, "__name__", ""))
+    rule = _TOKEN_LOSSES.get(getattr(loss_function, "__name__", ""))
+    if rule is None or not _forward_calls_loss_function(type(model)):
+        return None
+    return rule
 
 
 def counts_tokens(model: nn.Module) -> bool:
@@ -83,7 +107,8 @@ def loss_term_rule(model: nn.Module) -> LossTermRule:
 
     ``transformers`` models name their loss function: causal LMs count the labels after the
     one-token shift, masked LMs and token classifiers every label; both skip ``-100``. Any other
-    model counts rows (a per-sample mean) and reports padded labels, which it cannot weight.
+    model (or one whose forward computes its loss without that function) counts rows (a
+    per-sample mean) and reports padded labels, which it cannot weight.
 
     Example::
 

@@ -6,11 +6,12 @@ every piece holds as many terms; labels padded with ``-100`` break that. Each pi
 therefore weighted by its term count over the global count (what ``vescale.parallelize`` does,
 with a pipeline too); where the terms cannot be counted, padded labels are an error.
 
-What a model's loss counts is read from the loss function ``transformers`` names for it, and
-only where its ``forward`` computes the loss with that function: 15 of ``transformers``'
-causal LMs (``BartForCausalLM``, ``XLNetLMHeadModel``, ...) compute their own unshifted
-cross-entropy although their ``loss_function`` names the shifted ``ForCausalLMLoss``; counted
-by the name, their padded batches were weighted wrongly (1e-4 to 2e-3 of the loss, silently).
+What a model's loss counts is read from the loss function ``transformers`` names for it where
+its ``forward`` computes the loss with that function. A model of a token loss whose forward
+computes its own cross-entropy counts its labels as given: 15 of ``transformers``' causal LMs
+(``BartForCausalLM``, ``XLNetLMHeadModel``, ...) average unshifted labels although their
+``loss_function`` names the shifted ``ForCausalLMLoss``; counted by the name, their padded
+batches were weighted wrongly (1e-4 to 2e-3 of the loss, silently).
 
 Example::
 
@@ -72,11 +73,7 @@ _TOKEN_LOSSES = {
 
 @functools.cache
 def _forward_calls_loss_function(model_class: type) -> bool:
-    """Whether ``model_class.forward`` computes its loss with ``self.loss_function`` (its source says so).
-
-    A forward whose source cannot be read counts as one that does not: its padded batches are
-    refused, never weighted by a guess.
-    """
+    """Whether ``model_class.forward`` computes its loss with ``self.loss_function`` (its source says so)."""
     try:
         source = inspect.getsource(model_class.forward)
     except (OSError, TypeError):
@@ -87,9 +84,11 @@ def _forward_calls_loss_function(model_class: type) -> bool:
 def _token_rule(model: nn.Module) -> LossTermRule | None:
     loss_function = getattr(model, "loss_function", None)
     rule = _TOKEN_LOSSES.get(getattr(loss_function, "__name__", ""))
-    if rule is None or not _forward_calls_loss_function(type(model)):
-        return None
-    return rule
+    if rule is None or _forward_calls_loss_function(type(model)):
+        return rule
+    # A transformers model with a token loss of its own: a cross-entropy of its logits against
+    # the labels as given (its causal LMs among them average unshifted labels), skipping -100.
+    return _label_terms
 
 
 def counts_tokens(model: nn.Module) -> bool:
@@ -106,9 +105,10 @@ def loss_term_rule(model: nn.Module) -> LossTermRule:
     """The rule that counts ``model``'s loss terms in a batch.
 
     ``transformers`` models name their loss function: causal LMs count the labels after the
-    one-token shift, masked LMs and token classifiers every label; both skip ``-100``. Any other
-    model (or one whose forward computes its loss without that function) counts rows (a
-    per-sample mean) and reports padded labels, which it cannot weight.
+    one-token shift, masked LMs and token classifiers every label; both skip ``-100``. One whose
+    forward computes such a loss itself (without ``self.loss_function``) counts every label.
+    Any other model counts rows (a per-sample mean) and reports padded labels, which it cannot
+    weight.
 
     Example::
 

@@ -72,10 +72,10 @@ _TOKEN_LOSSES = {
 
 
 @functools.cache
-def _forward_calls_loss_function(model_class: type) -> bool:
-    """Whether ``model_class.forward`` computes its loss with ``self.loss_function`` (its source says so)."""
+def _forward_calls_loss_function(forward: Callable[..., Any]) -> bool:
+    """Whether a model class's ``forward`` computes its loss with ``self.loss_function`` (by its source)."""
     try:
-        source = inspect.getsource(model_class.forward)
+        source = inspect.getsource(forward)
     except (OSError, TypeError):
         return False
     return "self.loss_function(" in source
@@ -84,7 +84,7 @@ def _forward_calls_loss_function(model_class: type) -> bool:
 def _token_rule(model: nn.Module) -> LossTermRule | None:
     loss_function = getattr(model, "loss_function", None)
     rule = _TOKEN_LOSSES.get(getattr(loss_function, "__name__", ""))
-    if rule is None or _forward_calls_loss_function(type(model)):
+    if rule is None or _forward_calls_loss_function(type(model).forward):
         return rule
     # A transformers model with a token loss of its own: a cross-entropy of its logits against
     # the labels as given (its causal LMs among them average unshifted labels), skipping -100.

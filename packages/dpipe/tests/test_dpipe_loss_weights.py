@@ -29,7 +29,7 @@ from vescale.dpipe.testing import (
 from vescale.dtensor import init_mesh
 from vescale.dtensor.testing import run_on_ranks
 from vescale.dtensor.testing.numerics import errors_by_fqn, full_parameters, sgd_step_gradients
-from vescale.dtensor.testing.reference import assert_matches_reference, train_reference
+from vescale.dtensor.testing.reference import assert_matches_reference, micro_batch, train_reference
 
 GRAD_RTOL = 1e-5
 NUM_MICROBATCHES = 4
@@ -88,7 +88,10 @@ def test_weighted_micro_batches_of_padded_labels_match_single_device(schedule: s
     # The padding matters: the mean of the micro-batch means moves the gradients by far more than
     # the bound (the losses of an untrained model differ little between micro-batches).
     model = build_model("gpt2")
-    mean_of_means = sum(model(**piece).loss for piece in _pieces(batch)) / NUM_MICROBATCHES
+    mean_of_means = (
+        sum(model(**micro_batch(batch, index, NUM_MICROBATCHES)).loss for index in range(NUM_MICROBATCHES))
+        / NUM_MICROBATCHES
+    )
     mean_of_means.backward()
     unweighted_gradients = {fqn: parameter.grad for fqn, parameter in model.named_parameters()}
     shift = errors_by_fqn(unweighted_gradients, reference.first_gradients(unweighted_gradients))
@@ -105,11 +108,3 @@ def test_weighted_micro_batches_of_padded_labels_match_single_device(schedule: s
         label=f"pp2 {schedule}",
     )
     print(f"pp2 {schedule}: loss {loss_error:.2e}, gradient {gradient_error:.2e}")
-
-
-def _pieces(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    rows = GLOBAL_BATCH // NUM_MICROBATCHES
-    return [
-        {key: value[start : start + rows] for key, value in batch.items()}
-        for start in range(0, GLOBAL_BATCH, rows)
-    ]

@@ -248,11 +248,18 @@ class ParallelizedModel(ModuleWrapper):
         if len(micro_batches) == 1:
             return self._forward_one(batch, *counts[0])
         # Every micro-batch's backward needs the global term count: one all-reduce before the first.
-        terms = [count for count, _ in counts]
-        local = torch.tensor([float(sum(terms)), float(any(unweighted for _, unweighted in counts))])
+        total_terms = self._global_term_count(counts)
+        return self._forward_micro_batches(micro_batches, [count for count, _ in counts], total_terms)
+
+    def _global_term_count(self, counts: list[tuple[int, bool]]) -> float:
+        """The global batch's loss terms (one all-reduce over dp of this rank's pieces' ``counts``);
+        refused where a piece's terms cannot be counted (:meth:`_check_weighable`)."""
+        local = torch.tensor(
+            [float(sum(count for count, _ in counts)), float(any(flag for _, flag in counts))]
+        )
         total_terms, unweighted = self._all_reduce(local.to(torch.float64)).tolist()
-        self._check_weighable(unweighted, pieces=len(micro_batches))
-        return self._forward_micro_batches(micro_batches, terms, total_terms)
+        self._check_weighable(unweighted, pieces=len(counts))
+        return float(total_terms)
 
     def _check_weighable(self, unweighted: float, *, pieces: int) -> None:
         """Refuse a loss whose terms vescale cannot count where the global batch has several pieces."""
@@ -344,14 +351,11 @@ class ParallelizedModel(ModuleWrapper):
     def _pipelined_forward(self, batch: dict[str, Any], counts: list[tuple[int, bool]]) -> Any:
         # dpipe weights each micro-batch's loss by its share of the global batch's loss terms (times
         # dp, which the dp gradient average divides again): one all-reduce before the schedule.
-        terms = [count for count, _ in counts]
-        local = torch.tensor([float(sum(terms)), float(any(unweighted for _, unweighted in counts))])
-        total_terms, unweighted = self._all_reduce(local.to(torch.float64)).tolist()
-        self._check_weighable(unweighted, pieces=len(counts))
+        total_terms = self._global_term_count(counts)
         pipeline = cast("PipelineModule", self.module)
         # All labels -100: one device's mean over no terms is NaN, and so is every weight here.
         pipeline.set_microbatch_loss_weights(
-            [count * self._dp_size / total_terms if total_terms else math.nan for count in terms]
+            [count * self._dp_size / total_terms if total_terms else math.nan for count, _ in counts]
         )
         rows = batch_rows(batch)
         pipeline.set_global_batch(self._randomness.batch_rank * rows, rows * self._dp_size)

@@ -20,6 +20,15 @@ would write, after torchtitan's ``parallelize`` for Llama:
   FSDP2 (torchtitan's order);
 * ``native dp4`` / ``native dp4+compile``: ``DistributedDataParallel`` (gradients as bucket
   views, 25 MB buckets), the compiled one through ``torch.compile`` of the DDP module;
+* the native loss (``--native-loss``): ``rank-mean`` (the default, and the checked baseline)
+  averages each rank's mean loss, DDP's and FSDP2's gradient average: no collective, one
+  device's gradients while every rank's labels count the same tokens (as here, unpadded).
+  ``global-tokens`` does the job veScale's side does, one device's gradients with padded labels
+  too, as torchtitan's trainer (``global_valid_tokens``) and ``transformers``' Trainer
+  (``average_tokens_across_devices``) do: one all-reduce of the rank's label tokens over ``dp``
+  before the forward, the model's loss the rank's sum over that count (``num_items_in_batch``)
+  times ``dp`` (DDP's and FSDP2's averages divide by it again; torchtitan turns FSDP2's division
+  off instead, a ``PREMUL_SUM`` that gloo cannot run);
 * ``vescale`` (eager attention), ``vescale dp2×tp2 sdpa`` and ``... sdpa+compile``:
   ``vescale.generate_plan(model, {dp 2, tp 2, ZeRO-3, no SP})`` and
   ``vescale.parallelize(plan, model, optimizer_fn, compile=...)`` (with tensor parallelism
@@ -179,11 +188,34 @@ def _torchtitan_tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
         parallelize_module(layer, tp_mesh, plan)
 
 
+class TokenNormalized:
+    """A native model whose loss is normalized by the global batch's label tokens (torchtitan's
+    ``global_valid_tokens``, ``transformers``' Trainer's ``average_tokens_across_devices``)."""
+
+    def __init__(self, model: torch.nn.Module, dp_group: dist.ProcessGroup, dp: int):
+        self.model, self.dp_group, self.dp = model, dp_group, dp
+
+    def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's loss: the sum of its token losses over the global batch's token count."""
+        terms = global_label_tokens(input_ids, self.dp_group)
+        output = self.model(input_ids=input_ids, labels=input_ids, use_cache=False, num_items_in_batch=terms)
+        return output.loss * self.dp  # the data-parallel average divides by dp again
+
+
+def global_label_tokens(labels: torch.Tensor, dp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The loss terms of the global batch: the shifted labels not ignored (-100), summed over ``dp_group``."""
+    terms = (labels[:, 1:] != -100).sum()
+    if dp_group is not None:
+        dist.all_reduce(terms, group=dp_group)
+    return terms
+
+
 def _native(
-    variant: str, config: transformers.LlamaConfig, batch: int
-) -> tuple[torch.nn.Module | NativePipeline, torch.optim.Optimizer]:
+    variant: str, config: transformers.LlamaConfig, batch: int, native_loss: str
+) -> tuple[torch.nn.Module | NativePipeline | TokenNormalized, torch.optim.Optimizer]:
     torch.manual_seed(0)
     stages = _pipeline_stages(variant)
+    global_tokens = native_loss == "global-tokens"
     if stages > 1:
         dp = _data_parallel(variant)
         mesh = init_device_mesh("cpu", (stages, dp), mesh_dim_names=("pp", "dp"))
@@ -194,6 +226,7 @@ def _native(
             schedule="1f1b",
             microbatches=batch,
             dp_group=mesh.get_group("dp") if dp > 1 else None,
+            global_tokens=global_tokens,
         )
         return pipeline, _optimizer_fn(pipeline.stage_module)
     model = transformers.LlamaForCausalLM(config)
@@ -204,6 +237,8 @@ def _native(
         )
         if variant.endswith("+compile"):
             wrapped = torch.compile(wrapped)
+        if global_tokens:
+            return TokenNormalized(wrapped, mesh.get_group("dp"), 4), _optimizer_fn(model)
         return wrapped, _optimizer_fn(model)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     _torchtitan_tensor_parallel(model, mesh["tp"])
@@ -214,6 +249,10 @@ def _native(
     for index, layer in enumerate(layers):
         fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=index < len(layers) - 1)
     fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
+    if global_tokens:
+        # torchtitan turns FSDP2's division off instead (set_gradient_divide_factor(1.0)), which
+        # gloo cannot run (a PREMUL_SUM reduce-scatter): the loss times dp, as under DDP.
+        return TokenNormalized(model, mesh.get_group("dp"), 2), _optimizer_fn(model)
     return model, _optimizer_fn(model)
 
 
@@ -228,10 +267,10 @@ def _vescale(
 
 
 def _build(
-    variant: str, config: transformers.LlamaConfig, batch: int
-) -> tuple[torch.nn.Module | NativePipeline, torch.optim.Optimizer]:
+    variant: str, config: transformers.LlamaConfig, batch: int, native_loss: str
+) -> tuple[torch.nn.Module | NativePipeline | TokenNormalized, torch.optim.Optimizer]:
     if variant.startswith("native"):
-        return _native(variant, config, batch)
+        return _native(variant, config, batch, native_loss)
     dp, stages = _data_parallel(variant), _pipeline_stages(variant)
     if stages > 1:  # the pipeline: one-row micro-batches, PyTorch's 1F1B, the native side's cuts
         constraints = {
@@ -265,6 +304,8 @@ def _steps(model, optimizer, input_ids: torch.Tensor, count: int) -> list[float]
         optimizer.zero_grad()
         if isinstance(model, NativePipeline):
             model.step(input_ids)  # the schedule runs forward and backward
+        elif isinstance(model, TokenNormalized):
+            model.loss(input_ids).backward()
         else:
             model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
         optimizer.step()
@@ -283,6 +324,7 @@ def pair_on_ranks(
     warmup: int,
     steps: int,
     blocks: int,
+    native_loss: str,
 ) -> dict:
     """Both sides built in these ranks (native first), then ``blocks`` alternating blocks of ``steps``.
 
@@ -295,7 +337,7 @@ def pair_on_ranks(
     input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
     sides = {}
     for variant in (native, ours):
-        model, optimizer = _build(variant, config, batch)
+        model, optimizer = _build(variant, config, batch, native_loss)
         _steps(model, optimizer, input_ids, warmup)
         sides[variant] = (model, optimizer)
     block_times: dict[str, list[float]] = {native: [], ours: []}
@@ -308,11 +350,13 @@ def pair_on_ranks(
     return {"native": values[:blocks], "ours": values[blocks:]}
 
 
-def _warm_up_side(variant: str, attention: str, batch: int, input_ids: torch.Tensor) -> None:
+def _warm_up_side(
+    variant: str, attention: str, batch: int, input_ids: torch.Tensor, native_loss: str
+) -> None:
     """Build ``variant`` on a 64-wide twin of the model (one layer, a pipeline's one per stage)
     and run a step, then drop it."""
     layers = max(_pipeline_stages(variant), 1)
-    model, optimizer = _build(variant, _config(64, layers, attention), batch)
+    model, optimizer = _build(variant, _config(64, layers, attention), batch, native_loss)
     _steps(model, optimizer, input_ids, 1)
     del model, optimizer
     gc.collect()
@@ -322,7 +366,7 @@ def _warm_up_side(variant: str, attention: str, batch: int, input_ids: torch.Ten
 
 
 def peak_on_ranks(
-    variant: str, hidden: int, layers: int, batch: int, seq: int, warmup: int
+    variant: str, hidden: int, layers: int, batch: int, seq: int, warmup: int, native_loss: str
 ) -> dict[str, int]:
     """In fresh ranks, the worst rank's peak growth over building ``variant`` and ``warmup`` steps
     (its weights, optimizer state, activations and temporaries): of malloc's bytes in use (the
@@ -330,9 +374,9 @@ def peak_on_ranks(
     config = _config(hidden, layers, "sdpa" if _sdpa(variant) else "eager")
     generator = torch.Generator().manual_seed(_data_parallel_rank(variant))
     input_ids = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
-    _warm_up_side(variant, "sdpa" if _sdpa(variant) else "eager", batch, input_ids)
+    _warm_up_side(variant, "sdpa" if _sdpa(variant) else "eager", batch, input_ids, native_loss)
     with PeakResident() as resident, PeakHeapInUse() as heap:
-        model, optimizer = _build(variant, config, batch)
+        model, optimizer = _build(variant, config, batch, native_loss)
         _steps(model, optimizer, input_ids, warmup)
     worst = torch.tensor([float(resident.growth), float(heap.growth)], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -353,6 +397,14 @@ def main() -> None:
     parser.add_argument(
         "--pairs", nargs="+", default=[ours for ours, _ in PAIRS], choices=list(OURS_TO_NATIVE)
     )
+    parser.add_argument(
+        "--native-loss",
+        choices=("global-tokens", "rank-mean"),
+        default="rank-mean",
+        help="the native sides' loss: each rank's own mean, averaged (the default: no collective, not "
+        "one device's gradients under padding) or normalized by the global batch's label tokens "
+        "(torchtitan's trainer: one all-reduce a step, as veScale's side does the same job)",
+    )
     parser.add_argument("--json", help="write the checked rows here (for run_all.py)")
     parser.add_argument(
         "--reuse-ranks",
@@ -362,7 +414,16 @@ def main() -> None:
     args = parser.parse_args()
     from bench_rows import bench_row, write_rows
 
-    shape = (args.hidden, args.layers, args.batch, args.seq, args.warmup, args.steps, args.blocks)
+    shape = (
+        args.hidden,
+        args.layers,
+        args.batch,
+        args.seq,
+        args.warmup,
+        args.steps,
+        args.blocks,
+        args.native_loss,
+    )
     rows = []
     try:
         for ours in args.pairs:
@@ -373,7 +434,7 @@ def main() -> None:
             for side, variant in (("native", native), ("ours", ours)):
                 if not args.reuse_ranks:
                     shutdown_rank_pool()
-                memory_shape = (args.hidden, args.layers, args.batch, args.seq, args.warmup)
+                memory_shape = (args.hidden, args.layers, args.batch, args.seq, args.warmup, args.native_loss)
                 peaks[side] = run_on_ranks(peak_on_ranks, 4, args=(variant, *memory_shape), timeout_s=1800)[0]
             if not args.reuse_ranks:
                 shutdown_rank_pool()
@@ -396,7 +457,10 @@ def main() -> None:
         shutdown_rank_pool()
     tokens = f"{args.batch}x{args.seq} tokens per dp rank"
     blocks = f"{args.blocks} blocks of {args.steps} steps"
-    print(f"\nLlama hidden={args.hidden} layers={args.layers}, {tokens}, {blocks}")
+    print(
+        f"\nLlama hidden={args.hidden} layers={args.layers}, {tokens}, {blocks}, "
+        f"native loss: {args.native_loss}"
+    )
     print(
         "| ours vs native | ours ms | native ms | time ratio, median (min-max) | "
         "peak heap in use MiB, ours / native (ratio) | peak resident ratio |"

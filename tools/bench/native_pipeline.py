@@ -4,16 +4,19 @@ torchtitan's recipe on ``transformers``' module names: build the model on the me
 this rank's stage (the embedding on the first, its decoder layers, the final norm and head on the
 last), materialize and initialize only that, and drive a ``PipelineStage`` with one of PyTorch's
 schedules; the last stage's loss is ``transformers``' own causal-LM loss of its micro-batch's
-logits (the schedule scales the gradients by ``1 / n_microbatches``, as dpipe averages its
-micro-batch losses). With a ``dp_group``, each stage is a ``DistributedDataParallel`` module over
-it (gradients as bucket views, 25 MB buckets): PyTorch's stage runs every micro-batch but the last
-under ``no_sync`` and lets the last backward all-reduce, overlapped, as torchtitan's pipeline with
-DDP does. Used by ``e2e.py``'s pipeline pairs.
+logits: with ``global_tokens`` (torchtitan's trainer) each micro-batch's summed token losses over
+the global batch's label tokens, counted by one all-reduce over ``dp_group`` before the schedule
+(times the dp size, which DDP's average divides again), the schedule's scaling off; without it
+the micro-batch's mean, the schedule scaling the gradients by ``1 / n_microbatches``. With a
+``dp_group``, each stage is a ``DistributedDataParallel`` module over it (gradients as bucket
+views, 25 MB buckets): PyTorch's stage runs every micro-batch but the last under ``no_sync`` and
+lets the last backward all-reduce, overlapped, as torchtitan's pipeline with DDP does. Used by
+``e2e.py``'s pipeline pairs.
 
 Example::
 
     pipeline = NativePipeline.build(config, mesh["pp"], cuts=(1, 2, 3), schedule="1f1b", microbatches=4)
-    loss = pipeline.step(input_ids)          # the mean micro-batch loss on the last stage, else None
+    loss = pipeline.step(input_ids)          # the batch's loss on the last stage, else None
     optimizer = torch.optim.AdamW(pipeline.stage_module.parameters())
 """
 
@@ -76,11 +79,21 @@ class NativePipeline:
     """This rank's stage of a Llama and the schedule that runs it (see the module docstring)."""
 
     def __init__(
-        self, stage_module: LlamaStage, schedule: Schedule1F1B | ScheduleGPipe, *, first: bool, last: bool
+        self,
+        stage_module: LlamaStage,
+        schedule: Schedule1F1B | ScheduleGPipe,
+        *,
+        first: bool,
+        last: bool,
+        dp_group: dist.ProcessGroup | None,
+        global_tokens: bool,
     ):
         self.stage_module = stage_module
         self.schedule = schedule
         self.first, self.last = first, last
+        self.dp_group, self.global_tokens = dp_group, global_tokens
+        # The global batch's label tokens, counted before each step (with global_tokens).
+        self.terms: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -93,6 +106,7 @@ class NativePipeline:
         microbatches: int,
         seed: int = 0,
         dp_group: dist.ProcessGroup | None = None,
+        global_tokens: bool = False,
     ) -> NativePipeline:
         """Stage ``pp_mesh.get_local_rank()`` of the model cut before decoder layers ``cuts``,
         data-parallel over ``dp_group`` when given."""
@@ -111,9 +125,13 @@ class NativePipeline:
         for module in stage_module.modules():
             model._init_weights(module)
         vocab = config.vocab_size
+        dp = 1 if dp_group is None else dist.get_world_size(dp_group)
+        pipeline: NativePipeline | None = None
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return ForCausalLMLoss(logits, labels, vocab)
+            if pipeline is None or pipeline.terms is None:
+                return ForCausalLMLoss(logits, labels, vocab)
+            return ForCausalLMLoss(logits, labels, vocab, num_items_in_batch=pipeline.terms) * dp
 
         submodule: nn.Module = stage_module
         if dp_group is not None:
@@ -121,16 +139,29 @@ class NativePipeline:
                 stage_module, process_group=dp_group, bucket_cap_mb=25, gradient_as_bucket_view=True
             )
         stage = PipelineStage(submodule, index, stages, torch.device("cpu"), group=pp_mesh.get_group())
-        runner = _SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=loss_fn)
-        return cls(stage_module, runner, first=first, last=last)
+        runner = _SCHEDULES[schedule](
+            stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=not global_tokens
+        )
+        pipeline = cls(
+            stage_module, runner, first=first, last=last, dp_group=dp_group, global_tokens=global_tokens
+        )
+        return pipeline
 
     def step(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of every micro-batch of ``input_ids`` (labels: the same tokens)."""
         losses: list[torch.Tensor] = []
+        if self.global_tokens:  # every rank holds the batch's labels, as torchtitan's do
+            terms = (input_ids[:, 1:] != -100).sum()
+            if self.dp_group is not None:
+                dist.all_reduce(terms, group=self.dp_group)
+            self.terms = terms
         if self.first:
             self.schedule.step(input_ids, target=input_ids if self.last else None, losses=losses)
         elif self.last:
             self.schedule.step(target=input_ids, losses=losses)
         else:
             self.schedule.step()
-        return torch.stack(losses).mean().detach() if losses else None
+        if not losses:
+            return None
+        total = torch.stack(losses).detach()
+        return total.sum() if self.global_tokens else total.mean()

@@ -72,7 +72,7 @@ import time
 import torch
 import torch.distributed as dist
 import transformers
-from native_pipeline import NativePipeline
+from native_pipeline import NativePipeline, global_label_tokens
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -200,14 +200,6 @@ class TokenNormalized:
         terms = global_label_tokens(input_ids, self.dp_group)
         output = self.model(input_ids=input_ids, labels=input_ids, use_cache=False, num_items_in_batch=terms)
         return output.loss * self.dp  # the data-parallel average divides by dp again
-
-
-def global_label_tokens(labels: torch.Tensor, dp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The loss terms of the global batch: the shifted labels not ignored (-100), summed over ``dp_group``."""
-    terms = (labels[:, 1:] != -100).sum()
-    if dp_group is not None:
-        dist.all_reduce(terms, group=dp_group)
-    return terms
 
 
 def _native(

@@ -33,9 +33,18 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-__all__ = ["LlamaStage", "NativePipeline"]
+__all__ = ["LlamaStage", "NativePipeline", "global_label_tokens"]
 
 _SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+
+
+def global_label_tokens(labels: torch.Tensor, dp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The loss terms of the global batch: the shifted labels not ignored (-100), summed over ``dp_group``
+    (torchtitan's ``global_valid_tokens``)."""
+    terms = (labels[:, 1:] != -100).sum()
+    if dp_group is not None:
+        dist.all_reduce(terms, group=dp_group)
+    return terms
 
 
 class LlamaStage(nn.Module):
@@ -151,10 +160,7 @@ class NativePipeline:
         """Forward and backward of every micro-batch of ``input_ids`` (labels: the same tokens)."""
         losses: list[torch.Tensor] = []
         if self.global_tokens:  # every rank holds the batch's labels, as torchtitan's do
-            terms = (input_ids[:, 1:] != -100).sum()
-            if self.dp_group is not None:
-                dist.all_reduce(terms, group=self.dp_group)
-            self.terms = terms
+            self.terms = global_label_tokens(input_ids, self.dp_group)
         if self.first:
             self.schedule.step(input_ids, target=input_ids if self.last else None, losses=losses)
         elif self.last:
